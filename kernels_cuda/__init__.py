@@ -1,0 +1,1 @@
+"""Our CUDA dispatch/combine kernels (optional; reports "not built" on machines without CUDA)."""

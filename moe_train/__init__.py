@@ -1,0 +1,1 @@
+"""The training application: config, data, optimizer and schedules, loop, checkpoints, logs, CLI."""

@@ -1,0 +1,1 @@
+"""Data: tokenizers, Megatron-compatible indexed datasets, packing and the resumable sampler."""

@@ -1,0 +1,1 @@
+"""Parallelism: process groups, token dispatch/combine backends, pipeline schedules and runtime."""

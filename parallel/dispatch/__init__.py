@@ -1,0 +1,1 @@
+"""Token dispatch/combine backends behind one DeepEP-shaped interface."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedule IR, builders, lowering, validators, simulator, runtime."""
