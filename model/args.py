@@ -1,0 +1,123 @@
+"""`ModelArgs`: the hyper-parameters of a DeepSeek-V3-family model, with Megatron's field names.
+
+The same dataclass is the `model:` section of the YAML config, so a Megatron user recognises every
+key. `validate()` lists every impossible setting (key, message) instead of failing on the first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+ROPE_TYPES = ("rope", "yarn")
+SCORE_FUNCTIONS = ("sigmoid", "softmax")
+
+
+@dataclass
+class ModelArgs:
+    num_layers: int = 4
+    hidden_size: int = 64
+    ffn_hidden_size: int = 160
+    num_attention_heads: int = 4
+    q_lora_rank: Optional[int] = 48
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 16
+    qk_pos_emb_head_dim: int = 8
+    v_head_dim: int = 16
+    num_moe_experts: int = 8
+    moe_ffn_hidden_size: int = 32
+    moe_shared_expert_intermediate_size: int = 32
+    moe_router_topk: int = 2
+    moe_router_num_groups: int = 4
+    moe_router_group_topk: int = 2
+    moe_router_topk_scaling_factor: float = 2.5
+    moe_router_score_function: str = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_bias_update_rate: float = 1e-3
+    moe_aux_loss_coeff: float = 1e-4
+    first_k_dense_replace: int = 1
+    mtp_num_layers: int = 1
+    mtp_loss_scaling_factor: float = 0.3
+    rotary_base: float = 10000.0
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    norm_epsilon: float = 1e-6
+    vocab_size: int = 1024
+    init_method_std: float = 0.02
+
+    @property
+    def qk_full_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_replace
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        return layer_index >= self.first_k_dense_replace
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Every problem as (key, message); empty when the shape is buildable."""
+        problems: list[tuple[str, str]] = []
+        positive = (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_lora_rank",
+            "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts",
+            "moe_ffn_hidden_size", "moe_router_topk", "vocab_size", "max_position_embeddings",
+        )
+        for key in positive:
+            if getattr(self, key) <= 0:
+                problems.append((key, f"must be a positive integer, got {getattr(self, key)}"))
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            problems.append(("q_lora_rank", "must be positive, or null for a direct q projection"))
+        for key in ("moe_shared_expert_intermediate_size", "first_k_dense_replace", "mtp_num_layers"):
+            if getattr(self, key) < 0:
+                problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.qk_pos_emb_head_dim % 2:
+            problems.append(("qk_pos_emb_head_dim", "must be even: RoPE rotates pairs of channels"))
+        if self.first_k_dense_replace > self.num_layers:
+            problems.append(("first_k_dense_replace",
+                             f"{self.first_k_dense_replace} dense layers exceed num_layers={self.num_layers}"))
+        if self.rope_type not in ROPE_TYPES:
+            problems.append(("rope_type", f"must be one of {ROPE_TYPES}, got {self.rope_type!r}"))
+        elif self.rope_type == "yarn" and self.rotary_scaling_factor < 1:
+            problems.append(("rotary_scaling_factor", "YaRN needs a factor >= 1"))
+        if self.moe_router_score_function not in SCORE_FUNCTIONS:
+            problems.append(("moe_router_score_function",
+                             f"must be one of {SCORE_FUNCTIONS}, got {self.moe_router_score_function!r}"))
+        if self.norm_epsilon <= 0:
+            problems.append(("norm_epsilon", "must be positive"))
+        if self.init_method_std <= 0:
+            problems.append(("init_method_std", "must be positive"))
+        problems.extend(self._router_problems())
+        return problems
+
+    def _router_problems(self) -> list[tuple[str, str]]:
+        experts, groups, keep, topk = (self.num_moe_experts, self.moe_router_num_groups,
+                                       self.moe_router_group_topk, self.moe_router_topk)
+        if experts <= 0 or topk <= 0:
+            return []
+        if topk > experts:
+            return [("moe_router_topk", f"top-{topk} of only {experts} experts")]
+        if groups <= 0:
+            return [("moe_router_num_groups", "must be >= 1 (1 means no group limit)")]
+        if experts % groups:
+            return [("moe_router_num_groups",
+                     f"num_moe_experts={experts} is not divisible by {groups} groups")]
+        if groups == 1:
+            return []
+        per_group = experts // groups
+        problems = []
+        if per_group < 2:
+            problems.append(("moe_router_num_groups",
+                             f"{per_group} expert per group; the group score sums the top-2 experts of a group"))
+        if not 1 <= keep <= groups:
+            problems.append(("moe_router_group_topk", f"must be in [1, {groups}], got {keep}"))
+        elif keep * per_group < topk:
+            problems.append(("moe_router_group_topk",
+                             f"{keep} groups x {per_group} experts per group < moe_router_topk={topk}"))
+        return problems

@@ -1,0 +1,62 @@
+"""Multi-head Latent Attention (MLA), training ("naive") form with a causal mask."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.args import ModelArgs
+from model.layers import Linear, RMSNorm
+from model.rope import apply_rope, softmax_scale
+
+
+class MLA(nn.Module):
+    """Low-rank q path (with its norm), compressed kv path with one shared RoPE key head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        d, heads, std = args.hidden_size, args.num_attention_heads, args.init_method_std
+        self.num_heads = heads
+        self.nope_dim, self.rope_dim, self.v_dim = args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        if args.q_lora_rank is None:
+            self.q_proj = Linear(d, heads * qk_dim, std)
+        else:
+            self.q_a_proj = Linear(d, args.q_lora_rank, std)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.norm_epsilon)
+            self.q_b_proj = Linear(args.q_lora_rank, heads * qk_dim, std)
+        self.kv_a_proj_with_mqa = Linear(d, args.kv_lora_rank + self.rope_dim, std)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.norm_epsilon)
+        self.kv_b_proj = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), std)
+        self.o_proj = Linear(heads * self.v_dim, d, std)
+        self.softmax_scale = softmax_scale(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(compressed))
+        kv = kv.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin).expand(-1, self.num_heads, -1, -1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe), dim=-1)
+        out = causal_attention(q, k, v, self.softmax_scale)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal SDPA; v is zero-padded to the qk head dim so fused (flash) kernels apply, then cut."""
+    v_dim = v.shape[-1]
+    if v_dim < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - v_dim))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]

@@ -1,0 +1,144 @@
+"""The weight-GEMM family (Linear, GroupedLinear), RMSNorm and the SwiGLU MLP.
+
+Every weight GEMM in the model goes through `GEMM_OPS`, so the pipeline runtime can swap in
+split-backward (B/W) implementations in one place without touching the modules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _grouped_mm_reference(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group matmul, used where `torch._grouped_mm` is missing: x[rows of g] @ weight_t[g]."""
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    parts = [x[s:e] @ weight_t[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    return torch.cat(parts) if parts else x.new_empty(0, weight_t.shape[-1])
+
+
+def _fused_ok(*tensors: torch.Tensor) -> bool:
+    """`torch._grouped_mm` exists and accepts these operands (its strides must be 16-byte multiples)."""
+    return hasattr(torch, "_grouped_mm") and all(
+        (stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride() if stride != 1)
+
+
+def grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (rows sorted by group), weight_t [G, K, N], offsets [G] int32 cumulative ends -> [M, N]."""
+    if _fused_ok(x, weight_t):
+        return torch._grouped_mm(x, weight_t, offs=offsets)
+    return _grouped_mm_reference(x, weight_t, offsets)
+
+
+def grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per-group grad_out_g^T @ x_g -> [G, N, K] (the gradient of a [G, N, K] weight)."""
+    if _fused_ok(grad_out, x):
+        return torch._grouped_mm(grad_out.t(), x, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    return torch.stack([grad_out[s:e].t() @ x[s:e] for s, e in zip(starts, ends)])
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """y = x_g @ W_g^T per group; backward makes the incoming grad contiguous (grouped_mm needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        return grouped_mm(x, weight.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grouped_mm(grad_out, weight, offsets) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = grouped_weight_grad(grad_out, x, offsets).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+class GemmOps:
+    """The two weight-GEMM entry points; the pipeline replaces this object's methods for B/W split."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        return _GroupedLinearFunction.apply(x, weight, offsets)
+
+
+GEMM_OPS = GemmOps()
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer whose GEMM goes through `GEMM_OPS`."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.init_std = in_features, out_features, init_std
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GEMM_OPS.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+
+class GroupedLinear(nn.Module):
+    """One weight [G, out, in] per group (expert); rows of the input arrive sorted by group."""
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.init_std)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return GEMM_OPS.grouped(x, self.weight, offsets)
+
+    def extra_repr(self) -> str:
+        return f"groups={self.num_groups}, in={self.in_features}, out={self.out_features}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as DeepSeek-V3 and HF do."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU FFN: down(silu(gate(x)) * up(x)); also the shared expert."""
+
+    def __init__(self, dim: int, hidden: int, init_std: float) -> None:
+        super().__init__()
+        self.gate_proj = Linear(dim, hidden, init_std)
+        self.up_proj = Linear(dim, hidden, init_std)
+        self.down_proj = Linear(hidden, dim, init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

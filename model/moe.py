@@ -1,0 +1,96 @@
+"""DeepSeekMoE block: router, routed experts as grouped GEMMs, shared experts, dispatcher hook."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.args import ModelArgs
+from model.dispatcher import Dispatcher, LocalDispatcher
+from model.layers import GroupedLinear, SwiGLU
+from model.router import Router, sequence_balance_loss
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """Identity on the activation that also sends d(aux)=scale into the aux loss in backward.
+
+    The balance loss then needs no path to the final loss (it may live on another pipeline
+    stage); `scale` is the factor the main loss is multiplied by (1 / micro-batches).
+    """
+
+    scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(aux_loss, AuxLossGradient.scale)
+
+
+def set_aux_loss_grad_scale(scale: float) -> None:
+    """Set the gradient given to every balance loss (the main loss's micro-batch scale)."""
+    AuxLossGradient.scale = scale
+
+
+class RoutedExperts(nn.Module):
+    """The experts this rank owns, as two grouped GEMMs (gate|up packed, then down)."""
+
+    def __init__(self, num_local_experts: int, dim: int, hidden: int, init_std: float) -> None:
+        super().__init__()
+        self.num_local_experts, self.hidden = num_local_experts, hidden
+        self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
+        self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
+
+    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [M, d]; local_idx [M, K] local expert ids or -1; returns sum_k w_k * expert_k(x) [M, d]."""
+        slots = local_idx >= 0
+        expert_of_slot = local_idx[slots]
+        token_of_slot = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(local_idx)[slots]
+        order = torch.argsort(expert_of_slot, stable=True)
+        token_sorted = token_of_slot[order]
+        counts = torch.bincount(expert_of_slot, minlength=self.num_local_experts)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate_up = self.gate_up_proj(x[token_sorted], offsets)
+        gate, up = gate_up.split(self.hidden, dim=-1)
+        out = self.down_proj(F.silu(gate) * up, offsets)
+        out = out * weights[slots][order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, dispatcher: Dispatcher | None = None) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher or LocalDispatcher()
+        self.num_experts = args.num_moe_experts
+        self.aux_loss_coeff = args.moe_aux_loss_coeff
+        local = self.dispatcher.local_experts(args.num_moe_experts)
+        self.gate = Router(args)
+        self.experts = RoutedExperts(len(local), args.hidden_size, args.moe_ffn_hidden_size,
+                                     args.init_method_std)
+        self.shared_experts = None
+        if args.moe_shared_expert_intermediate_size > 0:
+            self.shared_experts = SwiGLU(args.hidden_size, args.moe_shared_expert_intermediate_size,
+                                         args.init_method_std)
+        self.last_aux_loss = torch.zeros(())  # value of the latest forward's balance loss, for logs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        routing = self.gate(flat)
+        layout = self.dispatcher.layout(routing.topk_idx, self.num_experts)
+        recv_x, recv_idx, recv_weights, _, handle = self.dispatcher.dispatch(
+            flat, routing.topk_idx, routing.topk_weights, layout)
+        out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights), handle)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        out = out.view(batch, seq, dim)
+        self.last_aux_loss = torch.zeros((), device=x.device)
+        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            aux = sequence_balance_loss(routing.scores, routing.topk_idx, batch, self.aux_loss_coeff)
+            self.last_aux_loss = aux.detach()
+            out = AuxLossGradient.apply(out, aux)
+        return out

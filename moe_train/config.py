@@ -1,0 +1,305 @@
+"""Typed run configuration: dataclass sections, YAML loading, `--set` overrides, validation, dump.
+
+Every problem is reported as a `ConfigError` naming the offending key (with a did-you-mean for
+unknown keys) before any work starts; the CLI turns it into one message per problem and exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from model.args import ModelArgs
+
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+DISPATCHERS = ("local", "alltoall", "hierarchical", "native", "deepep")
+LR_SCHEDULES = ("constant", "cosine", "dsv3")
+RESUME_HELP = "'auto', 'none' or a checkpoint path"
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each as (dotted key, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__("\n".join(f"{prefix}{key}: {message}" for key, message in problems))
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    ep: int = 1
+    gpus_per_node: Optional[int] = None  # default: the local world size; smaller simulates nodes on CPU
+    dispatcher: str = "local"
+    zero1: bool = True
+    timeout_s: float = 300.0
+    pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    seq_length: int = 64
+    log_interval: int = 1
+    eval_interval: int = 0  # 0: no validation
+    eval_iters: int = 2
+    precision: str = "fp32"
+    device: str = "auto"
+    threads: Optional[int] = None  # torch CPU threads (default: torch's choice)
+    peak_tflops: float = 989.0  # per accelerator, dense BF16, for MFU on CUDA
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_schedule: str = "cosine"
+    lr_warmup_steps: int = 10
+    lr_decay_steps: Optional[int] = None  # cosine length; default: the steps left after warm-up (and constant)
+    lr_constant_steps: int = 0  # dsv3: steps held at the peak before the cosine
+    lr_tail_steps: int = 0  # dsv3: final steps at lr_tail
+    lr_tail: float = 0.0
+    bias_update_rate_final: float = 0.0  # router bias rate after bias_update_switch_step
+    bias_update_switch_step: Optional[int] = None
+    mtp_loss_scale_final: float = 0.1  # MTP weight after mtp_loss_switch_step
+    mtp_loss_switch_step: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None  # indexed-dataset prefix (.bin/.idx); none: the built-in demo corpus
+    tokenizer: str = "byte"  # "byte" or a tokenizer.json path
+    valid_fraction: float = 0.01
+    cache_dir: Optional[str] = None  # demo corpus cache (default ~/.cache/moe_train)
+    demo_max_bytes: Optional[int] = None  # cap on the demo corpus size
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <logging.dir>/checkpoints
+    interval: int = 0  # 0: only at the end of training
+    keep: int = 2
+    resume: str = "auto"
+    weights_only: bool = False  # load only model weights from `resume` (fine-tuning)
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    tensorboard: bool = True  # when the tensorboard package is installed
+
+
+@dataclass
+class Config:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or str(Path(self.logging.dir) / "checkpoints")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_types(section: str) -> dict[str, Any]:
+    cls = type(getattr(Config(), section))
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _did_you_mean(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(value: Any, annotation: Any) -> Any:
+    """Value converted to the field's type, or TypeError with what was expected."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, options[0])
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError("expected true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError("expected an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError("expected a number")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise TypeError("expected a string")
+    raise TypeError(f"unsupported field type {annotation}")
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
+
+
+def apply_mapping(config: Config, data: Any, problems: list[tuple[str, str]]) -> None:
+    """Set fields of `config` from a {section: {key: value}} mapping, collecting problems."""
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        problems.append(("<top level>", "must be a mapping of sections"))
+        return
+    for section, values in data.items():
+        if section not in SECTIONS:
+            problems.append((str(section), "unknown section" + _did_you_mean(str(section), list(SECTIONS))))
+            continue
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            problems.append((section, "must be a mapping of keys"))
+            continue
+        for key, value in values.items():
+            set_value(config, f"{section}.{key}", value, problems)
+
+
+def set_value(config: Config, dotted: str, value: Any, problems: list[tuple[str, str]]) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        problems.append((dotted, "unknown section" + _did_you_mean(section, list(SECTIONS))))
+        return
+    fields = _section_types(section)
+    if key not in fields:
+        problems.append((dotted, "unknown key" + _did_you_mean(key, list(fields))))
+        return
+    try:
+        setattr(getattr(config, section), key, _coerce(value, fields[key]))
+    except TypeError as err:
+        problems.append((dotted, f"{err}, got {value!r} ({_type_name(type(value))})"))
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'section.key=value' -> (dotted key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError([(text, "an override must look like section.key=value")])
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if "." not in key:
+        raise ConfigError([(key, "an override key must be section.key")])
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        return key, raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- overrides, then validation; raises ConfigError listing every problem."""
+    config = Config()
+    problems: list[tuple[str, str]] = []
+    source = None
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError([("<file>", f"cannot read: {err.strerror}")], source) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<file>"
+            raise ConfigError([(where, f"invalid YAML: {getattr(err, 'problem', err)}")], source) from None
+        apply_mapping(config, data, problems)
+    for text in overrides:
+        key, value = parse_override(text)
+        set_value(config, key, value, problems)
+    if problems:
+        raise ConfigError(problems, source)
+    problems = validate(config)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def _choice(problems: list, key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        problems.append((key, f"must be one of {', '.join(options)}; got {value!r}" + _did_you_mean(value, list(options))))
+
+
+def validate(config: Config) -> list[tuple[str, str]]:
+    """Cross-field checks that do not need the process layout (that is checked at start-up)."""
+    problems = [(f"model.{key}", message) for key, message in config.model.validate()]
+    t, o, p, c = config.train, config.optim, config.parallel, config.checkpoint
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "log_interval", "eval_iters"):
+        if getattr(t, key) <= 0:
+            problems.append((f"train.{key}", f"must be positive, got {getattr(t, key)}"))
+    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        problems.append(("train.global_batch_size",
+                         f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"))
+    if t.seq_length > config.model.max_position_embeddings:
+        problems.append(("train.seq_length",
+                         f"{t.seq_length} exceeds model.max_position_embeddings={config.model.max_position_embeddings}"))
+    _choice(problems, "train.precision", t.precision, PRECISIONS)
+    _choice(problems, "train.device", t.device, DEVICES)
+    _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
+    for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail"):
+        if getattr(o, key) < 0:
+            problems.append((f"optim.{key}", f"must be >= 0, got {getattr(o, key)}"))
+    if o.min_lr > o.lr:
+        problems.append(("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}"))
+    for key in ("pp", "ep", "virtual_stages"):
+        if getattr(p, key) < 1:
+            problems.append((f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}"))
+    if p.ep >= 1 and config.model.num_moe_experts % p.ep:
+        problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
+    if p.timeout_s <= 0:
+        problems.append(("parallel.timeout_s", "must be positive"))
+    if c.keep < 1:
+        problems.append(("checkpoint.keep", f"must be >= 1, got {c.keep}"))
+    if c.interval < 0:
+        problems.append(("checkpoint.interval", f"must be >= 0, got {c.interval}"))
+    if not 0 <= config.data.valid_fraction < 1:
+        problems.append(("data.valid_fraction", "must be in [0, 1)"))
+    return problems
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved configuration as YAML that `load_config` reads back to an equal Config."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False)

@@ -1,0 +1,77 @@
+"""Config loading, overrides, validation messages and the YAML round trip."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_train.config import ConfigError, load_config, to_yaml
+
+CONFIGS = sorted(Path("moe_train/configs").glob("*.yaml"))
+
+
+def problems_of(overrides, path=None):
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return err.value.problems
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_shipped_configs_load_and_round_trip(path, tmp_path):
+    config = load_config(path)
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(to_yaml(config))
+    assert load_config(dumped) == config
+
+
+def test_overrides_are_parsed_to_field_types():
+    config = load_config("moe_train/configs/tiny.yaml", [
+        "model.hidden_size=128", "optim.lr=1e-3", "train.precision=bf16", "parallel.zero1=false",
+        "model.q_lora_rank=null", "optim.lr_decay_steps=7", "checkpoint.resume=/some/path"])
+    assert config.model.hidden_size == 128 and isinstance(config.model.hidden_size, int)
+    assert config.optim.lr == 1e-3 and isinstance(config.optim.lr, float)
+    assert config.train.precision == "bf16" and config.parallel.zero1 is False
+    assert config.model.q_lora_rank is None and config.optim.lr_decay_steps == 7
+    assert config.checkpoint.resume == "/some/path"
+
+
+def test_unknown_keys_suggest_the_right_name():
+    assert problems_of(["model.hiden_size=3"]) == [("model.hiden_size", "unknown key (did you mean 'hidden_size'?)")]
+    (key, message), = problems_of(["trian.steps=3"])
+    assert key == "trian.steps" and "did you mean 'train'" in message
+
+
+def test_wrong_types_name_the_key():
+    (key, message), = problems_of(["train.steps=ten"])
+    assert key == "train.steps" and "expected an integer" in message
+    (key, message), = problems_of(["parallel.zero1=3"])
+    assert key == "parallel.zero1" and "true or false" in message
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["model.num_moe_experts=10"], "model.moe_router_num_groups", "not divisible"),
+    (["model.moe_router_group_topk=1", "model.moe_router_topk=3"], "model.moe_router_group_topk", "< moe_router_topk=3"),
+    (["model.qk_pos_emb_head_dim=7"], "model.qk_pos_emb_head_dim", "even"),
+    (["model.moe_router_num_groups=8"], "model.moe_router_num_groups", "top-2"),
+    (["train.micro_batch_size=3"], "train.global_batch_size", "not a multiple"),
+    (["model.rope_type=ntk"], "model.rope_type", "must be one of"),
+    (["parallel.dispatcher=nccl"], "parallel.dispatcher", "must be one of"),
+    (["parallel.ep=3"], "parallel.ep", "not divisible"),
+    (["train.seq_length=8192"], "train.seq_length", "max_position_embeddings"),
+])
+def test_impossible_combinations(overrides, key, fragment):
+    problems = problems_of(overrides, "moe_train/configs/tiny.yaml")
+    assert any(k == key and fragment in m for k, m in problems), problems
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: 64\n  num_layers: [1, 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert str(bad) in str(err.value) and "line" in str(err.value) and "invalid YAML" in str(err.value)
+
+
+def test_section_must_be_mapping(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"train": [1, 2]}))
+    assert problems_of([], bad) == [("train", "must be a mapping of keys")]
