@@ -1,0 +1,58 @@
+"""Schedule builders (compute actions only) and the name -> builder registry.
+
+Every builder has the signature ``(ranks, microbatches, virtual_stages=None, costs=None) ->
+Schedule``; ``virtual_stages`` is the number of stages per rank (None: the builder's default)
+and ``costs`` only matters for cost-driven builders (zb-h2). Builders reject unsupported sizes
+with a ValueError whose message starts with the offending parameter's name.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..ir import Schedule
+from ..timeline import Costs
+from .dualpipe import build_dualpipe, build_dualpipev
+from .one_f_one_b import build_1f1b, build_interleaved_1f1b
+from .zbv import build_zbv
+from .zero_bubble import build_zb_h1, build_zb_h2
+
+Builder = Callable[[int, int, Optional[int], Optional[Costs]], Schedule]
+
+BUILDERS: dict[str, Builder] = {
+    "1f1b": build_1f1b,
+    "interleaved-1f1b": build_interleaved_1f1b,
+    "zb-h1": build_zb_h1,
+    "zb-h2": build_zb_h2,
+    "zbv": build_zbv,
+    "dualpipe": build_dualpipe,
+    "dualpipev": build_dualpipev,
+}
+
+SCHEDULES = tuple(BUILDERS)
+
+
+def build(
+    name: str,
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+) -> Schedule:
+    """Build the named schedule's compute-only programs."""
+    if name not in BUILDERS:
+        raise ValueError(f"schedule: unknown {name!r}, choose one of {', '.join(SCHEDULES)}")
+    return BUILDERS[name](ranks, microbatches, virtual_stages, costs)
+
+
+__all__ = [
+    "BUILDERS",
+    "SCHEDULES",
+    "build",
+    "build_1f1b",
+    "build_interleaved_1f1b",
+    "build_zb_h1",
+    "build_zb_h2",
+    "build_zbv",
+    "build_dualpipe",
+    "build_dualpipev",
+]

@@ -1,0 +1,80 @@
+"""1F1B and interleaved 1F1B (Megatron virtual pipeline stages), both with fused backward."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..ir import Action, Placement, Schedule
+from ..timeline import Costs
+from .common import backward, check_sizes, forward, require
+
+
+def build_1f1b(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+) -> Schedule:
+    """One stage per rank; rank r runs min(R-1-r, M) warm-up forwards, then alternates F and BW.
+
+    Requirements: ranks >= 1, microbatches >= 1, virtual_stages 1.
+    """
+    check_sizes("1f1b", ranks, microbatches, virtual_stages, 1)
+    programs = []
+    for rank in range(ranks):
+        warmup = min(ranks - 1 - rank, microbatches)
+        program = [forward(rank, m) for m in range(warmup)]
+        for m in range(microbatches - warmup):
+            program += [forward(rank, warmup + m), backward(rank, m, split=False)]
+        program += [
+            backward(rank, m, split=False) for m in range(microbatches - warmup, microbatches)
+        ]
+        programs.append(tuple(program))
+    return Schedule("1f1b", Placement("loop", ranks, ranks), microbatches, tuple(programs))
+
+
+def build_interleaved_1f1b(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+) -> Schedule:
+    """V stages per rank in loop order (stage c*R + r on rank r), micro-batches in groups of R.
+
+    Rank r runs 2(R-1-r) + (V-1)R warm-up forwards, then 1F1B over its virtual forward and
+    backward sequences: forwards walk chunk 0..V-1 for each group of R micro-batches, backwards
+    walk chunk V-1..0. Requirements: virtual_stages >= 2 (default 2), microbatches a positive
+    multiple of ranks.
+    """
+    chunks = 2 if virtual_stages is None else virtual_stages
+    require(ranks >= 1, "ranks", f"interleaved-1f1b needs ranks >= 1, got {ranks}")
+    require(
+        chunks >= 2,
+        "virtual_stages",
+        f"interleaved-1f1b needs virtual_stages >= 2 (use 1f1b for 1), got {virtual_stages}",
+    )
+    require(
+        microbatches >= ranks and microbatches % ranks == 0,
+        "microbatches",
+        f"interleaved-1f1b needs a positive multiple of ranks={ranks}, got {microbatches}",
+    )
+    total = microbatches * chunks
+
+    def virtual(rank: int, k: int, is_forward: bool) -> Action:
+        group, within = divmod(k, ranks * chunks)
+        chunk = within // ranks
+        if not is_forward:
+            chunk = chunks - 1 - chunk
+        stage = chunk * ranks + rank
+        m = group * ranks + within % ranks
+        return forward(stage, m) if is_forward else backward(stage, m, split=False)
+
+    programs = []
+    for rank in range(ranks):
+        warmup = min(2 * (ranks - 1 - rank) + (chunks - 1) * ranks, total)
+        program = [virtual(rank, k, True) for k in range(warmup)]
+        for k in range(total - warmup):
+            program += [virtual(rank, warmup + k, True), virtual(rank, k, False)]
+        program += [virtual(rank, k, False) for k in range(total - warmup, total)]
+        programs.append(tuple(program))
+    placement = Placement("loop", ranks, ranks * chunks)
+    return Schedule("interleaved-1f1b", placement, microbatches, tuple(programs))

@@ -1,0 +1,155 @@
+"""Zero Bubble schedules on one stage per rank: handcrafted ZB-H1 and the memory-capped ZB-H2.
+
+Both split every backward into B (input grad, what the upstream stage waits for) and a deferred
+W (weight grad) that fills bubbles later on the same stage.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Optional
+
+from ..ir import Action, Placement, Schedule
+from ..timeline import Costs
+from .common import backward, check_sizes, forward, require, weight
+
+_EPS = 1e-9
+
+
+def build_zb_h1(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+) -> Schedule:
+    """ZB-H1: 1F1B order with stage r's W's lagging r micro-batches behind its B's.
+
+    Same warm-up and peak memory as 1F1B (stage r holds at most R micro-batches, the extra ones
+    on later stages only pending their W). Requirements: ranks >= 1, microbatches >= 1,
+    virtual_stages 1.
+    """
+    check_sizes("zb-h1", ranks, microbatches, virtual_stages, 1)
+    programs = []
+    for rank in range(ranks):
+        warmup = min(ranks - 1 - rank, microbatches)
+        program: list[Action] = [forward(rank, m) for m in range(warmup)]
+        pending: deque[int] = deque()
+
+        def split_backward(m: int) -> None:
+            program.append(backward(rank, m, split=True))
+            pending.append(m)
+            while len(pending) > rank:
+                program.append(weight(rank, pending.popleft()))
+
+        for m in range(microbatches - warmup):
+            program.append(forward(rank, warmup + m))
+            split_backward(m)
+        for m in range(microbatches - warmup, microbatches):
+            split_backward(m)
+        program += [weight(rank, m) for m in pending]
+        programs.append(tuple(program))
+    return Schedule("zb-h1", Placement("loop", ranks, ranks), microbatches, tuple(programs))
+
+
+def build_zb_h2(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+    max_inflight: Optional[int] = None,
+) -> Schedule:
+    """ZB-H2 by list scheduling under a memory cap (default 2R-1 micro-batches in flight).
+
+    Every rank, at its current time, runs the first of: a B whose gradient has arrived, an F
+    whose input has arrived and fits under the cap, a pending W when neither can become ready
+    before that W would finish; otherwise it waits for the next event.
+    The order depends on ``costs`` (default unit costs); with equal costs and M >= 2R-1 every
+    rank is busy from its first F to its last W. Requirements: ranks >= 1, microbatches >= 1,
+    virtual_stages 1, max_inflight >= 1.
+    """
+    check_sizes("zb-h2", ranks, microbatches, virtual_stages, 1)
+    cap = 2 * ranks - 1 if max_inflight is None else max_inflight
+    require(cap >= 1, "max_inflight", f"zb-h2 needs max_inflight >= 1, got {max_inflight}")
+    programs = _ListScheduler(ranks, microbatches, costs or Costs(), cap).run()
+    return Schedule("zb-h2", Placement("loop", ranks, ranks), microbatches, programs)
+
+
+class _ListScheduler:
+    """Greedy time-driven scheduler behind ZB-H2 (loop placement, one stage per rank)."""
+
+    def __init__(self, ranks: int, microbatches: int, costs: Costs, cap: int) -> None:
+        self.ranks, self.microbatches, self.costs, self.cap = ranks, microbatches, costs, cap
+        self.clock = [0.0] * ranks
+        self.next_f = [0] * ranks
+        self.next_b = [0] * ranks
+        self.pending: list[deque[int]] = [deque() for _ in range(ranks)]
+        self.f_done: list[list[float]] = [[] for _ in range(ranks)]
+        self.b_done: list[list[float]] = [[] for _ in range(ranks)]
+        self.programs: list[list[Action]] = [[] for _ in range(ranks)]
+
+    def run(self) -> tuple[tuple[Action, ...], ...]:
+        while not all(self._finished(r) for r in range(self.ranks)):
+            order = sorted(
+                (r for r in range(self.ranks) if not self._finished(r)),
+                key=lambda r: (self.clock[r], r),
+            )
+            if not any(self._step(r) for r in order):
+                raise RuntimeError("zb-h2 list scheduler made no progress")
+        return tuple(tuple(p) for p in self.programs)
+
+    def _finished(self, r: int) -> bool:
+        return self.next_b[r] == self.microbatches and not self.pending[r]
+
+    def _inflight(self, r: int) -> int:
+        return self.next_f[r] - (self.next_b[r] - len(self.pending[r]))
+
+    def _b_ready(self, r: int) -> tuple[float, float]:
+        """(known ready time or inf, lower bound) of rank r's next B."""
+        m = self.next_b[r]
+        if m >= self.next_f[r]:
+            return math.inf, math.inf
+        if r == self.ranks - 1:
+            return self.f_done[r][m], self.f_done[r][m]
+        if m < len(self.b_done[r + 1]):
+            t = self.b_done[r + 1][m] + self.costs.comm
+            return t, t
+        return math.inf, self.clock[r + 1] + self.costs.b + self.costs.comm
+
+    def _f_ready(self, r: int) -> tuple[float, float]:
+        m = self.next_f[r]
+        if m >= self.microbatches or self._inflight(r) >= self.cap:
+            return math.inf, math.inf
+        if r == 0:
+            return 0.0, 0.0
+        if m < len(self.f_done[r - 1]):
+            t = self.f_done[r - 1][m] + self.costs.comm
+            return t, t
+        return math.inf, self.clock[r - 1] + self.costs.f + self.costs.comm
+
+    def _step(self, r: int) -> bool:
+        now = self.clock[r]
+        b_at, b_bound = self._b_ready(r)
+        f_at, f_bound = self._f_ready(r)
+        if b_at <= now + _EPS:
+            self._run(r, backward(r, self.next_b[r], split=True), self.costs.b)
+            self.b_done[r].append(self.clock[r])
+            self.pending[r].append(self.next_b[r])
+            self.next_b[r] += 1
+            return True
+        if f_at <= now + _EPS:
+            self._run(r, forward(r, self.next_f[r]), self.costs.f)
+            self.f_done[r].append(self.clock[r])
+            self.next_f[r] += 1
+            return True
+        if self.pending[r] and min(b_bound, f_bound) >= now + self.costs.w - _EPS:
+            self._run(r, weight(r, self.pending[r].popleft()), self.costs.w)
+            return True
+        later = [t for t in (b_at, f_at, b_bound, f_bound) if now + _EPS < t < math.inf]
+        if not later:
+            return False
+        self.clock[r] = min(later)
+        return True
+
+    def _run(self, r: int, action: Action, cost: float) -> None:
+        self.programs[r].append(action)
+        self.clock[r] += cost
