@@ -1,0 +1,452 @@
+"""Checkpoints in Megatron's layout, written with torch.distributed.checkpoint (DCP) and published atomically.
+
+Layout under a checkpoint root:
+
+    latest_checkpointed_iteration.txt   the step of the newest complete checkpoint
+    iter_0000100/
+        .metadata, __<rank>_0.distcp    DCP: {"model": ..., "optim": ...}, optimizer state keyed by
+                                        parameter FQNs, so a checkpoint can be resharded later
+        extra.pt                        rank 0's `extra` dict (step, consumed samples, schedules, ...)
+        rng_rank<r>.pt                  RNG states (python, numpy, torch CPU, CUDA) of global rank r
+        config.yaml, ...                the `text_files` given to `save_checkpoint`
+
+A save writes everything into `iter_XXXXXXX.tmp`, fsyncs files and folders, renames the folder to
+its final name, then replaces the latest file (write, fsync, `os.replace`), and only then deletes
+checkpoints older than the newest `keep`. A process killed at any moment therefore leaves the
+latest file pointing to a complete folder; what a killed save left behind ends in `.tmp` and is
+removed by the next save. Checkpoints are trusted input: DCP's own metadata is a pickle.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+EXTRA_FILE = "extra.pt"
+METADATA_FILE = ".metadata"
+TMP_SUFFIX = ".tmp"
+_ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, found or loaded; the message names the path or tensor."""
+
+
+def iteration_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def list_iterations(root: str | os.PathLike) -> list[int]:
+    """Steps of the `iter_*` folders under `root`, ascending (temporary folders excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    matches = (_ITER_PATTERN.fullmatch(entry.name) for entry in root.iterdir() if entry.is_dir())
+    return sorted(int(match.group(1)) for match in matches if match)
+
+
+def write_latest(root: str | os.PathLike, step: int) -> None:
+    _write_atomic(Path(root) / LATEST_FILE, f"{step}\n".encode())
+
+
+def latest_iteration(root: str | os.PathLike) -> int | None:
+    """The step in the latest file; None when there is no latest file.
+
+    Raises CheckpointError when the file is unreadable or does not hold a step, or when the folder
+    it points to is missing or incomplete.
+    """
+    path = Path(root) / LATEST_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot read the latest file: {err}") from err
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:60]!r}")
+    step = int(text)
+    folder = iteration_dir(root, step)
+    if not folder.is_dir():
+        raise CheckpointError(f"{path} points to iteration {step}, but {folder} does not exist")
+    missing = [name for name in (METADATA_FILE, EXTRA_FILE) if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} points to {folder}, which is incomplete (no {', '.join(missing)})")
+    return step
+
+
+def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
+    """The checkpoint folder that `checkpoint.resume` selects, or None to start from scratch.
+
+    "auto": the latest checkpoint under `root`, if any; "none": None; anything else is a path to
+    either an iteration folder or a checkpoint root holding a latest file.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        step = latest_iteration(root)
+        return None if step is None else iteration_dir(root, step)
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.resume: {path} does not exist")
+    if (path / METADATA_FILE).is_file():
+        return path
+    if (path / LATEST_FILE).is_file():
+        return iteration_dir(path, latest_iteration(path))
+    raise CheckpointError(f"checkpoint.resume: {path} is neither a checkpoint folder (no {METADATA_FILE}) "
+                          f"nor a checkpoint root (no {LATEST_FILE})")
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    extra: dict, keep: int, text_files: dict[str, str] | None = None,
+                    process_group: dist.ProcessGroup | None = None) -> Path:
+    """Write checkpoint `step` under `root` atomically and return its folder; every rank calls it.
+
+    The optimizer state must exist already (save after an optimizer step): DCP's `get_state_dict`
+    would otherwise create it with a zero-learning-rate step.
+    """
+    if keep < 1 or step < 0:
+        raise CheckpointError(f"{root}: cannot save step {step} keeping {keep}: need step >= 0 and keep >= 1")
+    rng = capture_rng_state()
+    root = Path(root)
+    final = iteration_dir(root, step)
+    tmp = _tmp_name(final)
+    coordinator = _rank(process_group) == 0
+    what = f"saving {final}"
+    _on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
+    state = _full_state_dict(model, optimizer)
+    _on_all_ranks(lambda: _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
+                                     process_group=process_group), process_group, what)
+    _on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)
+    _on_all_ranks(lambda: _publish(root, tmp, final, step, keep) if coordinator else None, process_group, what)
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    weights_only: bool = False, restore_rng: bool = True,
+                    process_group: dist.ProcessGroup | None = None) -> dict:
+    """Load a checkpoint folder into `model` (and `optimizer`) in place and return its `extra` dict.
+
+    weights_only loads the model alone (fine-tuning): optimizer, RNG and `extra` are left out and
+    {} is returned. Shapes, data files, `extra` and RNG files are checked before any tensor is
+    overwritten, so a mismatching or damaged checkpoint leaves the model as it was.
+    """
+    path = Path(path)
+    state = _full_state_dict(model, None if weights_only else optimizer)
+    read_back = _on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng),
+                              process_group, f"loading {path}")
+    _on_all_ranks(lambda: _quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
+                                     process_group=process_group), process_group, f"loading {path}")
+    if "optim" in state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+    if weights_only:
+        return {}
+    extra, rng = read_back
+    if rng is not None:
+        restore_rng_state(rng)
+    return extra
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU and (when available) CUDA generator states."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                           "pos": numpy_state["state"]["pos"]}},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for device, cuda_state in zip(range(torch.cuda.device_count()), state["cuda"]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def model_mismatches(metadata: Metadata, model_state: dict[str, torch.Tensor]) -> list[str]:
+    """Every model tensor missing from, unexpected in or shaped differently in the checkpoint."""
+    saved = _saved_shapes(metadata, "model.")
+    problems = [f"missing in checkpoint: {name} {list(tensor.shape)}"
+                for name, tensor in model_state.items() if name not in saved]
+    problems += [f"unexpected in checkpoint: {name} {shape}" for name, shape in saved.items()
+                 if name not in model_state]
+    problems += [f"shape mismatch: {name} checkpoint {saved[name]} vs model {list(tensor.shape)}"
+                 for name, tensor in model_state.items() if name in saved and saved[name] != list(tensor.shape)]
+    return problems
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """DCP metadata of a checkpoint folder, or CheckpointError naming what is missing or corrupt."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder")
+    metadata_path = path / METADATA_FILE
+    if not metadata_path.is_file():
+        raise CheckpointError(f"{path}: no {METADATA_FILE} file, not a complete DCP checkpoint")
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # any unpickling failure means a corrupt file
+        raise CheckpointError(f"{metadata_path}: corrupt checkpoint metadata ({type(err).__name__}: {err})") from err
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(path.name + TMP_SUFFIX)
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: str) -> Any:
+    """fn() on this rank, then an exchange of outcomes so that every rank raises if any rank failed.
+
+    Without it a rank that failed alone would leave the others waiting in the next collective.
+    """
+    try:
+        result, error = fn(), None
+    except Exception as err:  # reported to every rank below
+        result, error = None, err
+    messages = [None if error is None else f"{type(error).__name__}: {error}"]
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, messages[0], group=group)
+        messages = gathered
+    if isinstance(error, CheckpointError):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"{what}: {messages[_rank(group)]}") from error
+    failed = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message]
+    if failed:
+        raise CheckpointError(f"{what} failed on other ranks: " + "; ".join(failed))
+    return result
+
+
+def _quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a DCP entry point without its warning that a single process is not distributed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, **kwargs)
+
+
+def _full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _prepare_root(root: Path, tmp: Path) -> None:
+    """Create `root`, remove what killed saves left behind, and create the empty temporary folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    for entry in root.iterdir():
+        if entry.name.endswith(TMP_SUFFIX) and entry.name.startswith(("iter_", LATEST_FILE)):
+            _remove(entry)
+    tmp.mkdir()
+
+
+def _write_rank_files(tmp: Path, rng: dict[str, Any], extra: dict, text_files: dict[str, str] | None,
+                      coordinator: bool) -> None:
+    _write_durable(tmp / f"rng_rank{_global_rank()}.pt", _to_bytes(rng))
+    if coordinator:
+        _write_durable(tmp / EXTRA_FILE, _to_bytes(extra))
+        for name, text in (text_files or {}).items():
+            _write_durable(tmp / name, text.encode())
+
+
+def _publish(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
+    _fsync_dir(tmp)
+    _install(tmp, final)
+    _fsync_dir(root)
+    write_latest(root, step)
+    _prune(root, step, keep)
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; a `final` that exists already (the same step saved again) is replaced.
+
+    The replacement swaps the two folders in one `renameat2(RENAME_EXCHANGE)` where the OS allows,
+    so a latest file pointing to `final` never sees it missing.
+    """
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    if _exchange(tmp, final):
+        _remove(tmp)
+        return
+    _discard(final)
+    os.rename(tmp, final)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Delete all but the newest `keep - 1` checkpoints older than `step`; newer ones are left alone."""
+    older = [s for s in list_iterations(root) if s < step]
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        _discard(iteration_dir(root, old))
+
+
+def _discard(folder: Path) -> None:
+    """Rename to a temporary name first, so that a half-deleted folder never keeps a valid name."""
+    doomed = folder.with_name(folder.name + ".old" + TMP_SUFFIX)
+    _remove(doomed)
+    os.rename(folder, doomed)
+    _remove(doomed)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = _tmp_name(path)
+    _write_durable(tmp, data)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool,
+                    restore_rng: bool) -> tuple[dict, dict | None] | None:
+    """Validate the folder against `state`; return (extra, this rank's RNG state) unless weights_only."""
+    metadata = read_metadata(path)
+    _check_storage_files(path, metadata)
+    problems = model_mismatches(metadata, state["model"])
+    if "optim" in state:
+        problems += _optimizer_mismatches(metadata, state["optim"])
+    if problems:
+        raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems))
+    if weights_only:
+        return None
+    return _read_extra(path), _read_rng(path) if restore_rng else None
+
+
+def _check_storage_files(path: Path, metadata: Metadata) -> None:
+    """Every data file the metadata refers to exists and is long enough for its last item."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{file} is truncated: {file.stat().st_size} bytes, the metadata needs {size}")
+    if problems:
+        raise CheckpointError(f"{path}: corrupt checkpoint: " + "; ".join(problems))
+
+
+def _saved_shapes(metadata: Metadata, prefix: str) -> dict[str, list[int]]:
+    return {key[len(prefix):]: list(item.size) for key, item in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+
+
+def _optimizer_mismatches(metadata: Metadata, optim_state: dict[str, Any]) -> list[str]:
+    saved = _saved_shapes(metadata, "optim.")
+    if not saved:
+        return ["no optimizer state in checkpoint (load it with weights_only)"]
+    problems = []
+    for name, tensor in _flat_tensors(optim_state):
+        if name not in saved:
+            problems.append(f"missing in checkpoint: optimizer {name} {list(tensor.shape)}")
+        elif saved[name] != list(tensor.shape):
+            problems.append(f"shape mismatch: optimizer {name} checkpoint {saved[name]} vs {list(tensor.shape)}")
+    return problems
+
+
+def _flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted key, tensor) pairs of a nested dict/list, keyed the way DCP flattens them."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _flat_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+
+
+def _read_extra(path: Path) -> dict:
+    """The `extra` dict; a full unpickler because it holds arbitrary picklable training state."""
+    file = path / EXTRA_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{file} is missing") from err
+    except Exception as err:  # any unpickling failure means a corrupt file
+        raise CheckpointError(f"{file}: corrupt ({type(err).__name__}: {err})") from err
+
+
+def _read_rng(path: Path) -> dict | None:
+    """This rank's RNG state; None with a warning when the checkpoint has none for it (resharding)."""
+    file = path / f"rng_rank{_global_rank()}.pt"
+    if not file.is_file():
+        warnings.warn(f"{file} does not exist: RNG states not restored on this rank")
+        return None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # any unpickling failure means a corrupt file
+        raise CheckpointError(f"{file}: corrupt ({type(err).__name__}: {err})") from err

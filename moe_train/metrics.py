@@ -1,0 +1,83 @@
+"""Step metrics: one console line, `metrics.jsonl`, and TensorBoard scalars when installed."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def console_line(m: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}",
+             f"loss {m['loss']:.4f} (lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} aux {m['aux_loss']:.2e})",
+             f"lr {m['lr']:.2e}", f"grad {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s",
+             f"load max/mean {m['expert_load_max_over_mean']:.2f}"]
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "valid_loss" in m:
+        parts.append(f"valid {m['valid_loss']:.4f}")
+    parts.append(f"ETA {format_duration(m['eta_s'])}")
+    return " | ".join(parts)
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records past `step` (a resumed run rewrites them), replacing the file atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes only on the logging rank; other ranks get a logger that does nothing."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool,
+                 resume_step: int = 0, stream: TextIO | None = None) -> None:
+        self.enabled, self.total_steps, self.stream = enabled, total_steps, stream
+        self.writer = None
+        if not enabled:
+            return
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_after(self.path, resume_step)
+        self.file = open(self.path, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                return
+            self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, file=self.stream or sys.stdout, flush=True)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        self.info(console_line(metrics, self.total_steps))
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.writer is not None:
+                self.writer.close()

@@ -1,0 +1,58 @@
+"""LR, bias-rate and MTP-weight schedules at their key steps, and the optimizer's groups."""
+import math
+
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.transformer import DeepSeekV3
+from moe_train.config import OptimConfig, load_config
+from moe_train.optim import build_optimizer
+from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
+
+
+def test_warmup_then_cosine():
+    o = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=10, lr_schedule="cosine")
+    assert learning_rate(0, o, 110) == pytest.approx(0.1)
+    assert learning_rate(9, o, 110) == pytest.approx(1.0)
+    assert learning_rate(10, o, 110) == pytest.approx(1.0)
+    assert learning_rate(60, o, 110) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert learning_rate(110, o, 110) == pytest.approx(0.1)
+    assert learning_rate(35, o, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+
+
+def test_deepseek_v3_shape_with_the_papers_numbers():
+    o = load_config("moe_train/configs/dsv3_671b.yaml").optim
+    total = 235240
+    assert learning_rate(999, o, total) == pytest.approx(2.2e-4 * 1000 / 2000)
+    assert learning_rate(2000, o, total) == pytest.approx(2.2e-4)
+    assert learning_rate(158945, o, total) == pytest.approx(2.2e-4)  # constant until 10T tokens
+    mid = 158946 + 68347 // 2
+    assert learning_rate(mid, o, total) == pytest.approx((2.2e-4 + 2.2e-5) / 2, rel=1e-4)
+    assert learning_rate(158946 + 68347, o, total) == pytest.approx(2.2e-5)  # 14.3T: cosine done
+    assert learning_rate(total - 2655, o, total) == pytest.approx(2.2e-5)  # the 333B-token hold
+    assert learning_rate(total - 2654, o, total) == pytest.approx(7.3e-6)  # the final 167B tokens
+    model = load_config("moe_train/configs/dsv3_671b.yaml").model
+    assert bias_update_rate(227292, o, model) == 1e-3 and bias_update_rate(227293, o, model) == 0.0
+    assert mtp_loss_scale(158945, o, model) == 0.3 and mtp_loss_scale(158946, o, model) == 0.1
+
+
+def test_constant_schedule_and_no_switch():
+    o = OptimConfig(lr=0.5, lr_warmup_steps=0, lr_schedule="constant")
+    assert {learning_rate(s, o, 100) for s in (0, 50, 99)} == {0.5}
+    model = ModelArgs(moe_router_bias_update_rate=0.01, mtp_loss_scaling_factor=0.2)
+    assert bias_update_rate(10**9, o, model) == 0.01 and mtp_loss_scale(10**9, o, model) == 0.2
+
+
+def test_optimizer_groups_exclude_norms_from_decay_and_never_see_biases():
+    model = DeepSeekV3(ModelArgs())
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(names[id(p)].endswith(("norm.weight", "layernorm.weight")) for p in no_decay["params"])
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    biases = {id(r.e_score_correction_bias) for r in model.routers()}
+    assert not biases & {id(p) for g in optimizer.param_groups for p in g["params"]}
+    assert isinstance(optimizer, torch.optim.AdamW)

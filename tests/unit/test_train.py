@@ -1,0 +1,157 @@
+"""End-to-end training runs on the tiny config: metrics, exact resume after SIGKILL, signals,
+NaN handling, bad input, the launcher and the plot script."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moe_train.checkpoint import latest_iteration
+from moe_train.config import load_config
+from moe_train.train import EXIT_DIVERGED, Trainer, main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "moe_train/configs/tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("corpus_cache"))
+
+
+def overrides(run_dir, cache_dir, *extra):
+    return ["--set", f"logging.dir={run_dir}", "--set", f"data.cache_dir={cache_dir}",
+            "--set", "data.demo_max_bytes=400000", "--set", "train.threads=1",
+            "--set", "logging.tensorboard=false", *[a for kv in extra for a in ("--set", kv)]]
+
+
+def records(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_cli(args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "moe_train.train", "--config", TINY, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_tiny_trains_logs_every_figure_and_checkpoints(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=6", "train.log_interval=2",
+                                              "train.eval_interval=3", "checkpoint.interval=3")]) == 0
+    logged = records(run)
+    assert [r["step"] for r in logged] == [2, 3, 4, 6]
+    for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
+                "expert_load_max_over_mean"):
+        assert all(isinstance(r[key], float) for r in logged), key
+    assert "valid_loss" in logged[1] and "valid_loss" in logged[3]
+    assert logged[-1]["loss"] < logged[0]["loss"]
+    assert latest_iteration(run / "checkpoints") == 6
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000003", "iter_0000006"]
+    assert load_config(run / "config.yaml").train.steps == 6
+    out = capsys.readouterr().out
+    assert "step 6/6" in out and "tok/s" in out and "ETA" in out
+
+
+def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, cache_dir):
+    common = ("train.steps=30", "train.log_interval=1", "checkpoint.interval=2")
+    straight = tmp_path / "straight"
+    assert main(["--config", TINY, *overrides(straight, cache_dir, *common)]) == 0
+    expected = {r["step"]: r["loss"] for r in records(straight)}
+
+    killed = tmp_path / "killed"
+    proc = run_cli(overrides(killed, cache_dir, *common))
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(r["step"] >= 5 for r in records(killed)):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed_from = latest_iteration(killed / "checkpoints")
+    assert resumed_from is not None and 4 <= resumed_from < 30
+    assert main(["--config", TINY, *overrides(killed, cache_dir, *common)]) == 0
+    after = {r["step"]: r["loss"] for r in records(killed) if r["step"] > resumed_from}
+    assert sorted(after) == list(range(resumed_from + 1, 31))
+    assert all(after[s] == expected[s] for s in after), (after, expected)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    proc = run_cli(overrides(run, cache_dir, "train.steps=100000", "train.log_interval=1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not records(run):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "received SIGTERM" in out
+    assert latest_iteration(run / "checkpoints") >= 1
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5", "checkpoint.interval=1")[1::2]))
+    trainer.train_step()
+    trainer.save()
+    trainer.model.lm_head.weight.data.fill_(float("nan"))
+    assert trainer.train() == EXIT_DIVERGED
+    assert "non-finite loss (nan) at step 2" in capsys.readouterr().out
+    assert latest_iteration(run / "checkpoints") == 1
+
+
+def test_non_finite_message_names_step_and_part(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=3")[1::2]))
+    trainer.model.lm_head.weight.data.fill_(float("nan"))
+    assert trainer.train() == EXIT_DIVERGED
+    out = capsys.readouterr().out
+    assert "non-finite loss (nan) at step 1" in out and latest_iteration(run / "checkpoints") is None
+
+
+def test_bad_config_exits_2_without_traceback(tmp_path, cache_dir):
+    proc = run_cli(overrides(tmp_path, cache_dir, "model.moe_router_group_topk=9"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "model.moe_router_group_topk" in err and "Traceback" not in err
+
+
+def test_resume_with_other_model_shape_names_tensors(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=1")]) == 0
+    code = main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2", "model.moe_ffn_hidden_size=48")])
+    err = capsys.readouterr().err
+    assert code == 2 and "experts.gate_up_proj.weight" in err
+
+
+def test_weights_only_resume_restarts_the_step_count(tmp_path, cache_dir):
+    source = tmp_path / "source"
+    assert main(["--config", TINY, *overrides(source, cache_dir, "train.steps=2")]) == 0
+    run = tmp_path / "finetune"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=2", "checkpoint.weights_only=true",
+                                                  f"checkpoint.resume={source / 'checkpoints'}")[1::2]))
+    assert trainer.step == 0
+    first = next(iter(trainer.model.state_dict().values()))
+    again = Trainer(load_config(TINY, overrides(source, cache_dir, "train.steps=2")[1::2]))
+    assert (first == next(iter(again.model.state_dict().values()))).all()
+
+
+def test_launcher_and_plot(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPROC_PER_NODE": "1", "PYTHON": sys.executable}
+    env.pop("SLURM_JOB_ID", None)
+    result = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", TINY, *overrides(run, cache_dir, "train.steps=3")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in records(run)][-1] == 3
+    bad = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", TINY, "--set", "train.stepz=3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "did you mean 'steps'" in bad.stderr
+    plot = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(run / "metrics.jsonl")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    png = run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
