@@ -16,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from model.args import ModelArgs
+from parallel.pipeline.builders import SCHEDULES
 
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -42,8 +43,9 @@ class ParallelConfig:
     dispatcher: str = "local"
     zero1: bool = True
     timeout_s: float = 300.0
-    pipeline_schedule: str = "1f1b"
+    schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipe, dualpipev
     virtual_stages: int = 1
+    pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
 
 
@@ -275,6 +277,7 @@ def validate(config: Config) -> list[tuple[str, str]]:
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
+    _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
     for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail"):
         if getattr(o, key) < 0:
             problems.append((f"optim.{key}", f"must be >= 0, got {getattr(o, key)}"))
