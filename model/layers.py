@@ -18,9 +18,17 @@ def _grouped_mm_reference(x: torch.Tensor, weight_t: torch.Tensor, offsets: torc
     return torch.cat(parts) if parts else x.new_empty(0, weight_t.shape[-1])
 
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _fused_ok(*tensors: torch.Tensor) -> bool:
-    """`torch._grouped_mm` exists and accepts these operands (its strides must be 16-byte multiples)."""
+    """`torch._grouped_mm` exists and accepts these operands.
+
+    It takes fp32/bf16/fp16 only, rejects an operand with no rows (a rank whose experts got no
+    tokens) and needs strides in 16-byte multiples; the per-group reference handles the rest.
+    """
     return hasattr(torch, "_grouped_mm") and all(
+        t.dtype in _GROUPED_MM_DTYPES and t.numel() > 0 for t in tensors) and all(
         (stride * t.element_size()) % 16 == 0 for t in tensors for stride in t.stride() if stride != 1)
 
 

@@ -39,9 +39,10 @@ def set_aux_loss_grad_scale(scale: float) -> None:
 class RoutedExperts(nn.Module):
     """The experts this rank owns, as two grouped GEMMs (gate|up packed, then down)."""
 
-    def __init__(self, num_local_experts: int, dim: int, hidden: int, init_std: float) -> None:
+    def __init__(self, num_local_experts: int, dim: int, hidden: int, init_std: float, first_expert: int = 0) -> None:
         super().__init__()
         self.num_local_experts, self.hidden = num_local_experts, hidden
+        self.first_expert = first_expert  # global id of local expert 0 (experts are contiguous per rank)
         self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
         self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
 
@@ -70,7 +71,7 @@ class MoE(nn.Module):
         local = self.dispatcher.local_experts(args.num_moe_experts)
         self.gate = Router(args)
         self.experts = RoutedExperts(len(local), args.hidden_size, args.moe_ffn_hidden_size,
-                                     args.init_method_std)
+                                     args.init_method_std, first_expert=local.start)
         self.shared_experts = None
         if args.moe_shared_expert_intermediate_size > 0:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_shared_expert_intermediate_size,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from model.flops import training_flops_per_token
+from model.init import initialize_parameters
 from model.moe import set_aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
@@ -61,7 +62,9 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(prefix, config.train.seq_length, config.train.seed,
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
-        self.model = DeepSeekV3(config.model).to(self.device)
+        self.model = DeepSeekV3(config.model)
+        initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
+        self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, config.optim)
         self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size)
         self.step = 0

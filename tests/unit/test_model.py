@@ -154,3 +154,27 @@ def test_causality():
     a, b = model(inputs).logits, model(changed).logits
     assert torch.allclose(a[:, :10], b[:, :10], atol=1e-6)
     assert not torch.allclose(a[:, 10:], b[:, 10:], atol=1e-6)
+
+
+class SecondHalfDispatcher(LocalDispatcher):
+    """Owns experts [E/2, E) as rank 1 of 2 would (only local_experts matters for init)."""
+
+    def local_experts(self, num_experts):
+        return range(num_experts // 2, num_experts)
+
+
+def test_initialization_does_not_depend_on_the_expert_layout():
+    from model.init import initialize_parameters
+    full = DeepSeekV3(TINY)
+    half = DeepSeekV3(TINY, dispatcher=SecondHalfDispatcher())
+    initialize_parameters(full, 7, 0.02)
+    initialize_parameters(half, 7, 0.02)
+    full_state, half_state = full.state_dict(), half.state_dict()
+    for name, tensor in half_state.items():
+        if ".experts." in name:
+            assert torch.equal(tensor, full_state[name][TINY.num_moe_experts // 2:]), name
+        else:
+            assert torch.equal(tensor, full_state[name]), name
+    other = DeepSeekV3(TINY)
+    initialize_parameters(other, 8, 0.02)
+    assert not torch.equal(other.lm_head.weight, full.lm_head.weight)

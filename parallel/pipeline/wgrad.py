@@ -1,0 +1,229 @@
+"""Split backward: B computes input gradients now, W computes weight gradients later.
+
+Every weight GEMM of the model (MLA projections, dense and shared SwiGLU, routed experts, LM head,
+MTP eh_proj) goes through `model.layers.GEMM_OPS`. Inside `split_backward(store)` those calls use
+the autograd Functions below, whose backward returns only the input gradient and hands the
+weight-gradient GEMM to `store` as a closure. Whether the closure is queued (B) or run at once
+(BW) is decided when the backward runs, by the store's `scope(stage, microbatch, mode)`, so one
+forward serves both kinds of schedule. Norms, embeddings, the router and the MoE balance-loss
+injection (`model.moe.AuxLossGradient`) stay in ordinary autograd: their gradients are produced
+during B.
+
+A runtime step, for actions keyed by (stage, microbatch)::
+
+    with split_backward(store):
+        zero_grad_buffers(model.parameters())           # once per optimizer step
+        F:  out = stage_forward(...)
+        B:  with store.scope(stage, mb, ActionKind.B):  torch.autograd.backward(out, grad)
+        W:  store.run_w(stage, mb)
+        BW: with store.scope(stage, mb, ActionKind.BW): torch.autograd.backward(out, grad)
+        store.assert_empty()                            # then the optimizer step
+
+Gradient buffers: the weight gradient accumulates into the parameter's own `.grad`. Parameters
+are fp32 master weights (bf16 runs use autocast), so `.grad` already is the fp32 accumulation
+buffer that the optimizer, gradient clipping and the gradient reduction read; a separate
+`main_grad` would only add a copy per step. The buffers persist across steps and are zeroed in
+place by `zero_grad_buffers` (not set to None), so the data-parallel layer may later make them
+views of flat communication buckets.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.layers import GEMM_OPS, GemmOps, grouped_mm, grouped_weight_grad
+from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
+
+WeightGradWork = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class BackwardScope:
+    """The backward that is running: its stage, micro-batch and mode (B defers W, BW does not)."""
+
+    stage: int
+    microbatch: int
+    mode: ActionKind
+
+
+class WeightGradStore:
+    """One rank's deferred weight-gradient work: one unit of closures per (stage, micro-batch).
+
+    Closures only add into gradient buffers, so W's may run in any order (results differ in
+    rounding only); inside a unit the closures run in the order their backward queued them. A B that
+    enters the same scope twice (a backward cut into pieces) extends its unit. Outside any scope
+    closures run at once, so a plain `loss.backward()` still gives complete gradients.
+
+    The running scope is plain state, not thread-local: on CUDA the autograd engine calls backward
+    functions from its own device thread. Hence one backward at a time per store.
+    """
+
+    def __init__(self) -> None:
+        self._units: dict[tuple[int, int], list[WeightGradWork]] = {}
+        self._scope: BackwardScope | None = None
+
+    @property
+    def current(self) -> BackwardScope | None:
+        return self._scope
+
+    @contextlib.contextmanager
+    def scope(self, stage: int, microbatch: int, mode: ActionKind | str) -> Iterator[BackwardScope]:
+        """Mark the backward run inside the block as B or BW of (stage, microbatch)."""
+        mode = ActionKind(mode)
+        if mode not in BACKWARD_KINDS:
+            raise ValueError(f"a backward scope is B or BW, got {mode.value}")
+        if self._scope is not None:
+            raise RuntimeError(f"backward {self._scope} is still running")
+        self._scope = BackwardScope(stage, microbatch, mode)
+        if mode is ActionKind.B:
+            self._units.setdefault((stage, microbatch), [])
+        try:
+            yield self._scope
+        finally:
+            self._scope = None
+
+    def put(self, work: WeightGradWork) -> None:
+        """Queue `work` under the running B, or run it now (BW, or no backward scope)."""
+        scope = self._scope
+        if scope is None or scope.mode is ActionKind.BW:
+            work()
+        else:
+            self._units[(scope.stage, scope.microbatch)].append(work)
+
+    def pop(self, stage: int, microbatch: int) -> list[WeightGradWork]:
+        """Remove and return the unit of (stage, microbatch), closures in FIFO order."""
+        try:
+            return self._units.pop((stage, microbatch))
+        except KeyError:
+            raise ScheduleError(f"W{stage}.{microbatch}: no B{stage}.{microbatch} is waiting for its W") from None
+
+    def run_w(self, stage: int, microbatch: int) -> None:
+        for work in self.pop(stage, microbatch):
+            work()
+
+    def pending(self) -> list[tuple[int, int]]:
+        """(stage, microbatch) of every B whose W has not run, oldest first."""
+        return list(self._units)
+
+    def is_empty(self) -> bool:
+        return not self._units
+
+    def assert_empty(self) -> None:
+        """End-of-step check: every B had its W, so every weight gradient is complete."""
+        if self._units:
+            missing = ", ".join(f"W{stage}.{mb}" for stage, mb in self._units)
+            raise ScheduleError(f"W store is not empty at the end of the step: missing {missing}")
+
+
+def zero_grad_buffers(params: Iterable[nn.Parameter]) -> None:
+    """The per-step reset: zero every gradient buffer in place, creating those that are missing."""
+    for param in params:
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        else:
+            param.grad.zero_()
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad.add_(grad)
+
+
+def _linear_weight_grad(weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    _accumulate(weight, grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+
+def _grouped_weight_grad(weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor,
+                         offsets: torch.Tensor) -> None:
+    """Adds a gradient for every expert; the slice of an expert that got no tokens is zero."""
+    _accumulate(weight, grouped_weight_grad(grad_out, x, offsets))
+
+
+def _linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in: autocast's (which leaves fp64 alone), else the weight's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+class SplitLinearFunction(torch.autograd.Function):
+    """y = x @ W^T. Casts explicitly (autocast does not reach the backward of a custom Function)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, store: WeightGradStore) -> torch.Tensor:
+        dtype = _linear_dtype(x, weight)
+        x_c, w_c = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_c, w_c)
+        ctx.weight, ctx.store, ctx.x_dtype = weight, store, x.dtype
+        return F.linear(x_c, w_c)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x_c, w_c = ctx.saved_tensors
+        grad_out = grad_out.to(w_c.dtype)
+        grad_x = (grad_out @ w_c).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.store.put(partial(_linear_weight_grad, ctx.weight, grad_out, x_c))
+        return grad_x, None, None
+
+
+class SplitGroupedLinearFunction(torch.autograd.Function):
+    """y = x_g @ W_g^T per expert group; the grouped weight-gradient GEMM is deferred."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, offsets: torch.Tensor,
+                store: WeightGradStore) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.store = store
+        return grouped_mm(x, weight.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = grouped_mm(grad_out, weight, offsets) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            ctx.store.put(partial(_grouped_weight_grad, weight, grad_out, x, offsets))
+        return grad_x, None, None, None
+
+
+class SplitGemmOps(GemmOps):
+    """`GemmOps` whose weight gradients go through `store`."""
+
+    def __init__(self, store: WeightGradStore) -> None:
+        self.store = store
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return SplitLinearFunction.apply(x, weight, self.store)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        return SplitGroupedLinearFunction.apply(x, weight, offsets, self.store)
+
+
+@contextlib.contextmanager
+def split_backward(store: WeightGradStore, ops: GemmOps = GEMM_OPS) -> Iterator[SplitGemmOps]:
+    """Route the model's weight GEMMs through `store` while the block runs (forwards included).
+
+    The split methods shadow `ops`' own as instance attributes; leaving the block deletes them,
+    which restores the default GEMMs even when the block raised.
+    """
+    if {"linear", "grouped"} & vars(ops).keys():
+        raise RuntimeError("split backward is already installed on this GemmOps")
+    split = SplitGemmOps(store)
+    ops.linear, ops.grouped = split.linear, split.grouped
+    try:
+        yield split
+    finally:
+        del ops.linear, ops.grouped

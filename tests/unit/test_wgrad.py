@@ -1,0 +1,251 @@
+"""Split backward (B now, W later) against plain autograd on the tiny model cut into two stages."""
+import copy
+
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.layers import GEMM_OPS, GemmOps, GroupedLinear, Linear
+from model.moe import set_aux_loss_grad_scale
+from model.transformer import DeepSeekV3, token_cross_entropy
+from parallel.pipeline.ir import ActionKind, ScheduleError
+from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
+
+TINY = ModelArgs()
+CUT = 2  # stage 0: embedding + layers[:CUT]; stage 1: the other layers, norm, head, MTP, loss
+MICROBATCHES = 3
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=4e-5)}
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    model = DeepSeekV3(TINY).train()
+    return {torch.float32: model, torch.float64: copy.deepcopy(model).double()}
+
+
+@pytest.fixture(autouse=True)
+def aux_scale():
+    set_aux_loss_grad_scale(1.0 / MICROBATCHES)
+    yield
+    set_aux_loss_grad_scale(1.0)
+
+
+def micro_batches(seed, b=2, t=16):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY.vocab_size, (MICROBATCHES, b, t + 1), generator=gen)
+    return [(rows[:, :-1], rows[:, 1:]) for rows in ids]
+
+
+def stage0(model, ids):
+    cos, sin = model.rotary(ids.shape[1], ids.device)
+    hidden = model.embed_tokens(ids)
+    for layer in model.layers[:CUT]:
+        hidden = layer(hidden, cos, sin)
+    return hidden
+
+
+def stage1(model, hidden, ids, labels):
+    """The scaled micro-batch loss (balance-loss gradients are injected by the MoE blocks)."""
+    cos, sin = model.rotary(ids.shape[1], ids.device)
+    for layer in model.layers[CUT:]:
+        hidden = layer(hidden, cos, sin)
+    lm_loss = token_cross_entropy(model.lm_head(model.norm(hidden)), labels)
+    mtp_loss = model._mtp_loss(hidden, ids, labels, cos, sin)
+    return (lm_loss + model.args.mtp_loss_scaling_factor * mtp_loss) / MICROBATCHES
+
+
+def split_weights(model):
+    return {m.weight for m in model.modules() if isinstance(m, (Linear, GroupedLinear))}
+
+
+def grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def reference(model, batches):
+    """Per micro-batch: plain autograd parameter grads of the whole model, and the stage-1 input grad."""
+    params, inputs = [], []
+    for ids, labels in batches:
+        model.zero_grad(set_to_none=True)
+        (model(ids, labels).loss / MICROBATCHES).backward()
+        params.append(grads(model))
+        hidden = stage0(model, ids).detach().requires_grad_()
+        inputs.append(torch.autograd.grad(stage1(model, hidden, ids, labels), hidden)[0])
+    return params, inputs
+
+
+def total(per_microbatch, upto=MICROBATCHES):
+    return {name: sum(g[name] for g in per_microbatch[:upto]) for name in per_microbatch[0]}
+
+
+def assert_grads(model, expected, tol, names=None):
+    for name, param in model.named_parameters():
+        if names is None or name in names:
+            torch.testing.assert_close(param.grad, expected[name], **tol, msg=name)
+
+
+def forward_and_b(model, store, batches, mode):
+    """F then B of every micro-batch (stage 1 before stage 0); returns the stage-1 input grads."""
+    input_grads = []
+    for mb, (ids, labels) in enumerate(batches):
+        out0 = stage0(model, ids)
+        in1 = out0.detach().requires_grad_()
+        loss = stage1(model, in1, ids, labels)
+        with store.scope(1, mb, mode):
+            loss.backward()
+        with store.scope(0, mb, mode):
+            out0.backward(in1.grad)
+        input_grads.append(in1.grad)
+    return input_grads
+
+
+W_ORDERS = {
+    "fifo": [(stage, mb) for mb in range(MICROBATCHES) for stage in (1, 0)],
+    "stage0-first-reversed": [(stage, mb) for stage in (0, 1) for mb in reversed(range(MICROBATCHES))],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("order", W_ORDERS)
+def test_b_then_w_in_any_order_matches_autograd(models, dtype, order):
+    model, tol = models[dtype], TOLERANCES[dtype]
+    batches = micro_batches(seed=10)
+    ref_params, ref_inputs = reference(model, batches)
+    expected = total(ref_params)
+    store = WeightGradStore()
+    with split_backward(store):
+        zero_grad_buffers(model.parameters())
+        input_grads = forward_and_b(model, store, batches, ActionKind.B)
+        for got, want in zip(input_grads, ref_inputs):
+            torch.testing.assert_close(got, want, **tol)
+        deferred = split_weights(model)
+        # Norms, embedding and router (with its injected balance-loss gradient) are done after B.
+        assert_grads(model, expected, tol, {n for n, p in model.named_parameters() if p not in deferred})
+        assert all(p.grad.abs().sum() == 0 for p in deferred)
+        assert sorted(store.pending()) == sorted(W_ORDERS["fifo"])
+        for stage, mb in W_ORDERS[order]:
+            store.run_w(stage, mb)
+        store.assert_empty()
+    assert store.is_empty()
+    assert_grads(model, expected, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_bw_mode_computes_weight_grads_at_once(models, dtype):
+    model, tol = models[dtype], TOLERANCES[dtype]
+    batches = micro_batches(seed=20)
+    ref_params, ref_inputs = reference(model, batches)
+    store = WeightGradStore()
+    with split_backward(store):
+        zero_grad_buffers(model.parameters())
+        input_grads = forward_and_b(model, store, batches, "BW")
+        assert store.is_empty()
+    for got, want in zip(input_grads, ref_inputs):
+        torch.testing.assert_close(got, want, **tol)
+    assert_grads(model, total(ref_params), tol)
+
+
+def test_grads_accumulate_per_microbatch_and_reset_zeroes_the_same_buffers(models):
+    model, tol = models[torch.float64], TOLERANCES[torch.float64]
+    batches = micro_batches(seed=30)
+    ref_params, _ = reference(model, batches)
+    store = WeightGradStore()
+    with split_backward(store):
+        zero_grad_buffers(model.parameters())
+        buffers = {name: p.grad for name, p in model.named_parameters()}
+        forward_and_b(model, store, batches, ActionKind.B)
+        deferred = {n for n, p in model.named_parameters() if p in split_weights(model)}
+        for mb in range(MICROBATCHES):
+            store.run_w(1, mb)
+            store.run_w(0, mb)
+            assert_grads(model, total(ref_params, upto=mb + 1), tol, deferred)
+        zero_grad_buffers(model.parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is buffers[name], name
+        assert param.grad.abs().sum() == 0, name
+
+
+def test_bf16_autocast_split_grads_match_autocast_autograd(models):
+    """Same bf16 GEMMs; only lm_head (head + MTP) differs: its two uses are summed in fp32, not bf16."""
+    model = models[torch.float32]
+    ids, labels = micro_batches(seed=40)[0]
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels).loss.backward()
+    expected = grads(model)
+    store = WeightGradStore()
+    with split_backward(store):
+        zero_grad_buffers(model.parameters())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels).loss
+        with store.scope(0, 0, ActionKind.B):
+            loss.backward()
+        store.run_w(0, 0)
+    assert_grads(model, expected, dict(rtol=1.6e-2, atol=1e-3))
+
+
+@pytest.mark.parametrize("skipped", [[3], list(range(TINY.num_moe_experts))], ids=["one-expert", "all-experts"])
+def test_experts_without_tokens_get_zero_gradients(models, skipped):
+    experts = copy.deepcopy(models[torch.float32].layers[CUT].mlp.experts)
+    tokens, topk = 12, TINY.moe_router_topk
+    allowed = torch.tensor([e for e in range(TINY.num_moe_experts) if e not in skipped] or [-1])
+    idx = allowed[torch.randint(0, len(allowed), (tokens, topk))]
+    x = torch.randn(tokens, TINY.hidden_size, requires_grad=True)
+    weights, grad_out = torch.rand(tokens, topk), torch.randn(tokens, TINY.hidden_size)
+    experts(x, idx, weights).backward(grad_out)
+    expected = {name: p.grad.clone() for name, p in experts.named_parameters()}
+    expected_x = x.grad.clone()
+    experts.zero_grad(set_to_none=True)
+    x.grad = None
+    store = WeightGradStore()
+    with split_backward(store):
+        with store.scope(0, 0, ActionKind.B):
+            experts(x, idx, weights).backward(grad_out)
+        assert all(p.grad is None for p in experts.parameters())
+        store.run_w(0, 0)
+    torch.testing.assert_close(x.grad, expected_x)
+    for name, param in experts.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert param.grad[skipped].abs().sum() == 0, name
+
+
+def test_store_runs_a_unit_in_fifo_order_and_checks_the_step_end():
+    store, log = WeightGradStore(), []
+    with store.scope(2, 5, "B") as scope:
+        assert store.current == scope and scope.mode is ActionKind.B
+        store.put(lambda: log.append("first"))
+        store.put(lambda: log.append("second"))
+        with pytest.raises(RuntimeError, match="still running"):
+            with store.scope(1, 5, "B"):
+                pass
+    assert store.current is None and log == []
+    with pytest.raises(ScheduleError, match="W2.5"):
+        store.assert_empty()
+    with pytest.raises(ScheduleError, match="W2.4"):
+        store.run_w(2, 4)
+    store.run_w(2, 5)
+    assert log == ["first", "second"] and store.is_empty()
+    store.assert_empty()
+    with store.scope(0, 0, ActionKind.BW):
+        store.put(lambda: log.append("now"))
+    store.put(lambda: log.append("no scope"))
+    assert log[2:] == ["now", "no scope"] and store.is_empty()
+    with pytest.raises(ValueError):
+        with store.scope(0, 0, ActionKind.W):
+            pass
+
+
+def test_default_gemm_ops_are_restored_after_the_context():
+    layer = Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(KeyError):
+        with split_backward(WeightGradStore()):
+            assert "Split" in type(layer(x).grad_fn).__name__
+            with pytest.raises(RuntimeError, match="already installed"):
+                with split_backward(WeightGradStore()):
+                    pass
+            raise KeyError("leave the block by an exception")
+    assert not {"linear", "grouped"} & vars(GEMM_OPS).keys()
+    assert GEMM_OPS.linear.__func__ is GemmOps.linear and GEMM_OPS.grouped.__func__ is GemmOps.grouped
+    assert "Split" not in type(layer(x).grad_fn).__name__
