@@ -4,8 +4,8 @@ Layout under a checkpoint root:
 
     latest_checkpointed_iteration.txt   the step of the newest complete checkpoint
     iter_0000100/
-        .metadata, __<rank>_0.distcp    DCP: {"model": ..., "optim": ...}, optimizer state keyed by
-                                        parameter FQNs, so a checkpoint can be resharded later
+        .metadata, __<rank>_0.distcp    DCP: {"model": ..., "optim": ...}, keyed by parameter name
+                                        and global expert id, so any layout loads any other's
         extra.pt                        rank 0's `extra` dict (step, consumed samples, schedules, ...)
         rng_rank<r>.pt                  RNG states (python, numpy, torch CPU, CUDA) of global rank r
         config.yaml, ...                the `text_files` given to `save_checkpoint`
@@ -34,18 +34,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+
+from parallel.sharded_state import model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 EXTRA_FILE = "extra.pt"
 METADATA_FILE = ".metadata"
 TMP_SUFFIX = ".tmp"
 _ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
+_EXPERT_KEY = re.compile(r"(.+)\.expert_([0-9]+)")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -123,8 +120,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
                     process_group: dist.ProcessGroup | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically and return its folder; every rank calls it.
 
-    The optimizer state must exist already (save after an optimizer step): DCP's `get_state_dict`
-    would otherwise create it with a zero-learning-rate step.
+    Optimizer state that does not exist yet (no step taken) is saved as zeros at step 0.
     """
     if keep < 1 or step < 0:
         raise CheckpointError(f"{root}: cannot save step {step} keeping {keep}: need step >= 0 and keep >= 1")
@@ -158,10 +154,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                               process_group, f"loading {path}")
     _on_all_ranks(lambda: _quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
                                      process_group=process_group), process_group, f"loading {path}")
-    if "optim" in state:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(model, state["model"])
     if weights_only:
         return {}
     extra, rng = read_back
@@ -194,15 +186,44 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def model_mismatches(metadata: Metadata, model_state: dict[str, torch.Tensor]) -> list[str]:
-    """Every model tensor missing from, unexpected in or shaped differently in the checkpoint."""
+    """Every model tensor missing from, unexpected in or shaped differently in the checkpoint.
+
+    Per-expert keys the checkpoint has but this rank does not hold are not "unexpected": under
+    expert parallelism they belong to other ranks (an expert-count change shows as a router shape
+    mismatch instead). Per-expert problems are listed once per tensor with the expert ids.
+    """
     saved = _saved_shapes(metadata, "model.")
-    problems = [f"missing in checkpoint: {name} {list(tensor.shape)}"
+    problems = [("missing in checkpoint", name, f"{list(tensor.shape)}")
                 for name, tensor in model_state.items() if name not in saved]
-    problems += [f"unexpected in checkpoint: {name} {shape}" for name, shape in saved.items()
-                 if name not in model_state]
-    problems += [f"shape mismatch: {name} checkpoint {saved[name]} vs model {list(tensor.shape)}"
+    problems += [("unexpected in checkpoint", name, f"{shape}") for name, shape in saved.items()
+                 if name not in model_state and not _EXPERT_KEY.fullmatch(name)]
+    problems += [("shape mismatch", name, f"checkpoint {saved[name]} vs model {list(tensor.shape)}")
                  for name, tensor in model_state.items() if name in saved and saved[name] != list(tensor.shape)]
-    return problems
+    return _group_experts(problems)
+
+
+def _group_experts(problems: list[tuple[str, str, str]]) -> list[str]:
+    """'kind: name detail' lines; per-expert keys of one tensor merged into 'name experts 8-15'."""
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    lines = []
+    for kind, name, detail in problems:
+        match = _EXPERT_KEY.fullmatch(name)
+        if match is None:
+            lines.append(f"{kind}: {name} {detail}")
+        else:
+            grouped.setdefault((kind, match.group(1), detail), []).append(int(match.group(2)))
+    for (kind, name, detail), experts in grouped.items():
+        lines.append(f"{kind}: {name} experts {_ranges(sorted(experts))} {detail}")
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    spans, start = [], ids[0]
+    for prev, cur in zip(ids, ids[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(spans)
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
@@ -263,10 +284,10 @@ def _quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Layout-independent views of the live tensors (see parallel.sharded_state); DCP loads in place."""
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}
+        return {"model": model_state(model)}
+    return {"model": model_state(model), "optim": optimizer_state(model, optimizer)}
 
 
 def _prepare_root(root: Path, tmp: Path) -> None:
@@ -411,10 +432,10 @@ def _optimizer_mismatches(metadata: Metadata, optim_state: dict[str, Any]) -> li
     problems = []
     for name, tensor in _flat_tensors(optim_state):
         if name not in saved:
-            problems.append(f"missing in checkpoint: optimizer {name} {list(tensor.shape)}")
+            problems.append(("missing in checkpoint: optimizer", name, f"{list(tensor.shape)}"))
         elif saved[name] != list(tensor.shape):
-            problems.append(f"shape mismatch: optimizer {name} checkpoint {saved[name]} vs {list(tensor.shape)}")
-    return problems
+            problems.append(("shape mismatch: optimizer", name, f"checkpoint {saved[name]} vs {list(tensor.shape)}"))
+    return _group_experts(problems)
 
 
 def _flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from parallel.pipeline.builders import SCHEDULES
 
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-DISPATCHERS = ("local", "alltoall", "hierarchical", "native", "deepep")
+DISPATCHERS = ("auto", "local", "alltoall", "hierarchical", "native", "deepep")
 LR_SCHEDULES = ("constant", "cosine", "dsv3")
 RESUME_HELP = "'auto', 'none' or a checkpoint path"
 
@@ -40,7 +40,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     gpus_per_node: Optional[int] = None  # default: the local world size; smaller simulates nodes on CPU
-    dispatcher: str = "local"
+    dispatcher: str = "auto"  # auto: local for ep 1, hierarchical when an EP group spans nodes, else alltoall
     zero1: bool = True
     timeout_s: float = 300.0
     schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipe, dualpipev

@@ -1,23 +1,47 @@
-"""Validate a config for the launcher and print its processes per node (parallel.nproc_per_node).
+"""Validate a config for the launcher and print the processes per node to start.
 
-`python -m moe_train.launch_info --config FILE [--set k=v ...]`; exit 2 with the problems listed.
+`python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P]`
+checks the config and the process layout for N nodes x P processes (P defaults to
+parallel.nproc_per_node, else 1) before anything starts; exit 2 with the problems listed.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
-from moe_train.config import ConfigError, load_config
-from moe_train.train import parse_args
+from moe_train.config import Config, ConfigError, load_config
+from parallel.topology import layout_problems
+
+
+def layout_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
+    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc)."""
+    p, t = config.parallel, config.train
+    world = nodes * nproc
+    problems = layout_problems(world, p.pp, p.ep, p.gpus_per_node or nproc, config.model.num_moe_experts)
+    if not problems and t.global_batch_size % (t.micro_batch_size * (world // p.pp)):
+        problems.append(("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
+                         f"train.micro_batch_size={t.micro_batch_size} x dp={world // p.pp} ({world} processes)"))
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m moe_train.launch_info", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--nproc-per-node", type=int, default=None)
+    args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
+        nproc = args.nproc_per_node or config.parallel.nproc_per_node or 1
+        if nproc * args.nodes > 1 or config.parallel.ep > 1 or config.parallel.pp > 1:
+            problems = layout_errors(config, args.nodes, nproc)
+            if problems:
+                raise ConfigError(problems, f"{args.nodes} node(s) x {nproc} process(es)")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(config.parallel.nproc_per_node or 1)
+    print(nproc)
     return 0
 
 

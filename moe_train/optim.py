@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from moe_train.config import OptimConfig
+from parallel.topology import Topology
+from parallel.zero import ZeroOneAdamW
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -19,9 +21,13 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr,
-                             betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None):
+    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas)."""
+    groups = parameter_groups(model, optim.weight_decay)
+    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    if zero1_topology is not None:
+        return ZeroOneAdamW(model, groups, zero1_topology, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

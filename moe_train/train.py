@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from model.flops import training_flops_per_token
 from model.init import initialize_parameters
@@ -27,6 +28,9 @@ from moe_train.metrics import MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.runtime import autocast, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
+from parallel.data_parallel import GradientSync
+from parallel.dispatch import DispatcherUnavailable, make_dispatcher
+from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -41,17 +45,42 @@ def default_cache_dir() -> str:
     return os.environ.get("MOE_TRAIN_CACHE", str(Path.home() / ".cache" / "moe_train"))
 
 
-def require_single_process() -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError([("parallel", f"this build trains in one process; WORLD_SIZE={world} was launched "
-                                        "(set NPROC_PER_NODE=1 / parallel.nproc_per_node=1)")])
+def choose_dispatcher(config: Config, topology: Topology | None) -> str:
+    name = config.parallel.dispatcher
+    if name != "auto":
+        return name
+    if topology is None or topology.ep == 1:
+        return "local"
+    return "hierarchical" if topology.ep_nodes > 1 else "alltoall"
+
+
+def start_distributed(config: Config) -> Topology | None:
+    """The process layout when launched with several processes (torchrun or srun), else None."""
+    if int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) <= 1:
+        if config.parallel.ep > 1 or config.parallel.pp > 1:
+            raise ConfigError([("parallel", f"ep={config.parallel.ep} x pp={config.parallel.pp} needs several "
+                                            "processes; launch with NPROC_PER_NODE or under Slurm")])
+        return None
+    if config.parallel.pp > 1:
+        raise ConfigError([("parallel.pp", "the pipeline runtime is not available yet; use pp=1")])
+    p, t = config.parallel, config.train
+    try:
+        topology = init_distributed(p.pp, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
+                                    num_experts=config.model.num_moe_experts)
+    except TopologyError as err:
+        raise ConfigError(err.problems) from None
+    if t.global_batch_size % (t.micro_batch_size * topology.dp):
+        raise ConfigError([("train.global_batch_size",
+                            f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size} "
+                            f"x dp={topology.dp} ({topology.world_size} processes / pp {p.pp})")])
+    return topology
 
 
 class Trainer:
-    def __init__(self, config: Config) -> None:
-        require_single_process()
+    def __init__(self, config: Config, topology: Topology | None = None) -> None:
         self.cfg = config
+        self.topology = topology
+        self.is_logger = topology is None or topology.rank == 0
         configure_threads(config.train)
         seed_everything(config.train.seed)
         self.device = select_device(config.train)
@@ -62,18 +91,23 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(prefix, config.train.seq_length, config.train.seed,
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
-        self.model = DeepSeekV3(config.model)
+        dispatcher = make_dispatcher(choose_dispatcher(config, topology), topology, config.model.num_moe_experts)
+        self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size)
+        self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None)
+        self.grads = GradientSync(self.model, topology)
+        dp_size, dp_rank = (1, 0) if topology is None else (topology.dp, topology.dp_rank)
+        self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size,
+                                    dp_size, dp_rank)
         self.step = 0
         self.stop_signal: int | None = None
         self._resume()
-        self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=True,
+        self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
                                     tensorboard=config.logging.tensorboard, resume_step=self.step)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        if self.is_logger:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(config))
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
 
@@ -87,17 +121,20 @@ class Trainer:
         if not ckpt.weights_only:
             self.step = extra["step"]
             self.sampler.load_state_dict(extra["data"])
-        print(f"resumed from {path} at step {self.step}", flush=True)
+        if self.is_logger:
+            print(f"resumed from {path} at step {self.step}", flush=True)
 
     def save(self) -> Path:
         extra = {"step": self.step, "data": self.sampler.state_dict(),
                  "consumed_samples": self.sampler.consumed_samples}
         return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
-                               keep=self.cfg.checkpoint.keep, text_files={"config.yaml": to_yaml(self.cfg)})
+                               keep=self.cfg.checkpoint.keep, text_files={"config.yaml": to_yaml(self.cfg)},
+                               process_group=None if self.topology is None else dist.group.WORLD)
 
     def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, float]:
-        sums = dict.fromkeys(LOSS_PARTS, 0.0)
-        sums["loss"] = 0.0
+        """Backward of this rank's mean loss; returns the global-batch mean of each loss part."""
+        parts = ("loss", *LOSS_PARTS)
+        sums = torch.zeros(len(parts), dtype=torch.float64)
         scale = 1.0 / len(micro_batches)
         set_aux_loss_grad_scale(scale)
         for rows in micro_batches:
@@ -105,10 +142,9 @@ class Trainer:
             with autocast(self.device, self.cfg.train.precision):
                 out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale)
             (out.loss * scale).backward()
-            for part in LOSS_PARTS:
-                sums[part] += getattr(out, part).item() * scale
-            sums["loss"] += out.loss.item() * scale
-        return sums
+            sums += torch.tensor([getattr(out, part).item() for part in parts], dtype=torch.float64) * scale
+        dp = 1 if self.topology is None else self.topology.dp
+        return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).tolist()))
 
     def _check_finite(self, losses: dict[str, float]) -> None:
         for part in ("loss", *LOSS_PARTS):
@@ -117,31 +153,44 @@ class Trainer:
                                        f"stopping without saving, the last good checkpoint is kept")
 
     def _update_router_biases(self, rate: float) -> float:
-        """Bias update from this step's expert loads; returns the worst max/mean load ratio."""
-        worst = 0.0
-        for router in self.model.routers():
-            load = router.expert_load
-            worst = max(worst, (load.max() / load.mean().clamp_min(1e-9)).item())
+        """Bias update from the global batch's expert loads; returns the worst max/mean load ratio."""
+        routers = self.model.routers()
+        if not routers:
+            return 1.0
+        loads = self.grads.sum_over_dp(torch.stack([r.expert_load for r in routers]))
+        for router, load in zip(routers, loads):
             router.apply_bias_update(load, rate)
-            load.zero_()
-        return worst
+            router.expert_load.zero_()
+        return (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max().item()
+
+    def compute_gradients(self) -> dict[str, float]:
+        """Forward and backward of the next global batch, gradients reduced over data parallelism."""
+        losses = self._forward_backward(self.sampler.next_batch(),
+                                        mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
+        self._check_finite(losses)
+        self.grads.reduce()
+        return losses
+
+    def apply_update(self) -> dict[str, float]:
+        """Clip, optimizer step, router-bias update; advances the step counter."""
+        cfg = self.cfg
+        grad_norm = self.grads.clip(cfg.optim.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model))
+        self.step += 1
+        return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio}
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         lr = learning_rate(self.step, cfg.optim, cfg.train.steps)
         set_learning_rate(self.optimizer, lr)
         start = time.perf_counter()
-        losses = self._forward_backward(self.sampler.next_batch(), mtp_loss_scale(self.step, cfg.optim, cfg.model))
-        self._check_finite(losses)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.clip_grad or float("inf"))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model))
-        self.step += 1
+        losses = self.compute_gradients()
+        update = self.apply_update()
         elapsed = time.perf_counter() - start
         tokens = cfg.train.global_batch_size * cfg.train.seq_length
-        return {**losses, "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens / elapsed,
-                "expert_load_max_over_mean": load_ratio, "step_time_s": elapsed}
+        return {**losses, "lr": lr, **update, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -213,11 +262,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        trainer = Trainer(load_config(args.config, args.overrides))
-    except (ConfigError, DataError, CheckpointError) as err:
+        config = load_config(args.config, args.overrides)
+        topology = start_distributed(config)
+        if topology is not None and topology.rank == 0:
+            print(f"layout: {topology.world_size} processes = pp {topology.pp} x dp {topology.dp} "
+                  f"(ep {topology.ep} inside dp), {topology.gpus_per_node} per node", flush=True)
+            m = config.model
+            print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
+                                    m.moe_router_group_topk, m.moe_router_topk), flush=True)
+        trainer = Trainer(config, topology)
+    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return trainer.train()
+    try:
+        return trainer.train()
+    finally:
+        if topology is not None:
+            topology.destroy_groups()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -27,12 +27,18 @@ fi
 [ -f "$CONFIG" ] || { echo "error: config file not found: $CONFIG" >&2; exit 2; }
 PYTHON=${PYTHON:-python}
 
-# Resolve and validate the config (with overrides) before starting any process.
-CONFIGURED_NPROC=$("$PYTHON" -m moe_train.launch_info --config "$CONFIG" "$@") || exit 2
-NPROC_PER_NODE=${NPROC_PER_NODE:-$CONFIGURED_NPROC}
-
+IN_SLURM=
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
-    NNODES=${SLURM_NNODES:-1}
+    IN_SLURM=1
+fi
+NNODES=1
+[ -n "$IN_SLURM" ] && NNODES=${SLURM_NNODES:-1}
+
+# Resolve and validate the config and the process layout before starting any process.
+NPROC_PER_NODE=$("$PYTHON" -m moe_train.launch_info --config "$CONFIG" --nodes "$NNODES" \
+    ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} "$@") || exit 2
+
+if [ -n "$IN_SLURM" ]; then
     HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     RDZV_PORT=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
     echo "slurm job $SLURM_JOB_ID: $NNODES node(s) x $NPROC_PER_NODE process(es), rendezvous $HEAD_NODE:$RDZV_PORT"

@@ -155,3 +155,11 @@ def test_launcher_and_plot(tmp_path, cache_dir):
     assert plot.returncode == 0, plot.stderr
     png = run / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_bf16_training_on_cpu(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=3", "train.log_interval=1",
+                                              "train.precision=bf16")]) == 0
+    losses = [r["loss"] for r in records(run)]
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)

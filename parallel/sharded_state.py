@@ -1,0 +1,66 @@
+"""Checkpoint views of a (possibly expert-sharded, ZeRO-sharded) model and optimizer.
+
+Keys are layout-independent: replicated tensors keep their module names, each routed expert is
+its own key (`<name>.expert_<global id>`), and AdamW state is keyed by parameter name. Values are
+views of the live tensors, so `torch.distributed.checkpoint` saves them as they are and loads
+into them in place. A checkpoint written by one layout (one process, or any dp x ep) therefore
+loads into any other: each rank simply asks for the keys it holds now.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.moe import RoutedExperts
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+def _expert_offsets(model: nn.Module) -> dict[str, int]:
+    """Parameter name prefix of each RoutedExperts module -> global id of its first expert."""
+    return {f"{name}.": module.first_expert for name, module in model.named_modules()
+            if isinstance(module, RoutedExperts)}
+
+
+def _split(name: str, tensor: torch.Tensor, offsets: dict[str, int], out: dict[str, torch.Tensor]) -> None:
+    prefix = next((p for p in offsets if name.startswith(p)), None)
+    if prefix is None:
+        out[name] = tensor
+        return
+    for local, expert in enumerate(tensor):
+        out[f"{name}.expert_{offsets[prefix] + local}"] = expert
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (router biases included), experts split per expert."""
+    offsets = _expert_offsets(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        _split(name, tensor, offsets, out)
+    return out
+
+
+def _owned_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW moments and step of the parameters this rank's optimizer owns, created if absent.
+
+    Creating zero state lets a fresh optimizer receive a checkpoint in place; AdamW then
+    continues from the loaded step count.
+    """
+    offsets = _expert_offsets(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for param in _owned_parameters(optimizer):
+        state = optimizer.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            for key in ADAM_STATE:
+                state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        name = names[id(param)]
+        out[f"{name}.step"] = state["step"]
+        for key in ADAM_STATE:
+            _split(f"{name}.{key}", state[key], offsets, out)
+    return out

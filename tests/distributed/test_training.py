@@ -1,0 +1,126 @@
+"""Data + expert parallel training equals the single-process run (tiny model, gloo, CPU).
+
+Every rank builds the distributed trainer and, as the independent reference, a single-process
+trainer on the same config; each step compares the global losses, every reduced gradient (expert
+gradients against the matching slice of the reference) and the updated parameters.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.data import build_demo_corpus, load_tokenizer
+from moe_train.optim import set_learning_rate
+from moe_train.schedules import learning_rate
+from moe_train.train import Trainer
+from parallel.data_parallel import is_expert_parameter
+from parallel.topology import build_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_BYTES = 300_000
+
+
+def tiny_config(cache_dir: str, run_dir: str, *extra: str):
+    return load_config(ROOT / "moe_train/configs/tiny.yaml", [
+        f"data.cache_dir={cache_dir}", f"data.demo_max_bytes={DEMO_BYTES}", f"logging.dir={run_dir}",
+        "logging.tensorboard=false", "checkpoint.resume=none", "train.global_batch_size=8",
+        "train.micro_batch_size=1", "train.steps=3", *extra])
+
+
+def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_dir: str, run_dir: str) -> dict:
+    import torch.distributed as dist
+
+    topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
+    try:
+        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}")
+        reference = Trainer(tiny_config(cache_dir, run_dir + "_ref"))
+        trainer = Trainer(config, topology)
+        first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        for step in range(3):
+            for t in (trainer, reference):
+                set_learning_rate(t.optimizer, learning_rate(step, config.optim, config.train.steps))
+            losses, ref_losses = trainer.compute_gradients(), reference.compute_gradients()
+            worst["loss"] = max(worst["loss"], max(abs(losses[k] - ref_losses[k]) / abs(ref_losses[k])
+                                                   for k in ("loss", "lm_loss", "mtp_loss")))
+            ref_params = dict(reference.model.named_parameters())
+            for name, param in trainer.model.named_parameters():
+                expected = ref_params[name].grad
+                if is_expert_parameter(name):
+                    start = first_expert[name.split(".experts.")[0]]
+                    expected = expected[start:start + param.shape[0]]
+                scale = expected.abs().max().item() + 1e-12
+                worst["grad"] = max(worst["grad"], (param.grad - expected).abs().max().item() / scale)
+            update, ref_update = trainer.apply_update(), reference.apply_update()
+            worst["grad_norm"] = abs(update["grad_norm"] - ref_update["grad_norm"]) / ref_update["grad_norm"]
+            for name, param in trainer.model.named_parameters():
+                expected = ref_params[name].data
+                if is_expert_parameter(name):
+                    start = first_expert[name.split(".experts.")[0]]
+                    expected = expected[start:start + param.shape[0]]
+                worst["param"] = max(worst["param"], (param.data - expected).abs().max().item())
+        biases = [r.e_score_correction_bias for r in trainer.model.routers()]
+        ref_biases = [r.e_score_correction_bias for r in reference.model.routers()]
+        worst["bias"] = max((a - b).abs().max().item() for a, b in zip(biases, ref_biases))
+        worst["moved_bias"] = max(b.abs().max().item() for b in ref_biases)
+        worst["dispatcher"] = type(trainer.model.moe_blocks()[0].dispatcher).__name__
+        return worst
+    finally:
+        topology.destroy_groups()
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def corpus_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("corpus")
+    build_demo_corpus(cache, load_tokenizer("byte"), max_bytes=DEMO_BYTES)
+    return str(cache)
+
+
+@pytest.mark.parametrize("world, ep, gpus_per_node, zero1, dispatcher", [
+    (4, 4, 2, True, "HierarchicalDispatcher"),
+    (4, 2, 2, True, "AllToAllDispatcher"),
+    (4, 2, 2, False, "AllToAllDispatcher"),
+    (2, 2, 1, True, "HierarchicalDispatcher"),
+])
+def test_dp_ep_training_equals_single_process(pools, corpus_cache, tmp_path, world, ep, gpus_per_node, zero1,
+                                              dispatcher):
+    results = pools.get(world).run(compare_with_single_process, ep, gpus_per_node, zero1, corpus_cache,
+                                   str(tmp_path / "run"), deadline_s=300)
+    for rank, worst in enumerate(results):
+        assert worst["dispatcher"] == dispatcher
+        assert worst["loss"] < 1e-5, (rank, worst)
+        assert worst["grad"] < 1e-5, (rank, worst)
+        assert worst["grad_norm"] < 1e-5, (rank, worst)
+        assert worst["param"] < 4e-5, (rank, worst)
+        assert worst["moved_bias"] > 0 and worst["bias"] < 1e-7, (rank, worst)
+
+
+def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str) -> list[float]:
+    """Train `steps` steps with this layout from the checkpoint in run_dir (if any), then save."""
+    import torch.distributed as dist
+
+    topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
+    try:
+        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", "checkpoint.resume=auto", "train.steps=4")
+        trainer = Trainer(config, topology)
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        trainer.save()
+        return losses
+    finally:
+        topology.destroy_groups()
+        dist.barrier()
+
+
+@pytest.mark.parametrize("first, second", [((4, 4, 2), (2, 2, 1)), ((2, 2, 1), (4, 2, 2))],
+                         ids=["dp4-ep4-to-dp2-ep2", "dp2-ep2-to-dp4-ep2"])
+def test_checkpoint_resumes_with_another_layout(pools, corpus_cache, tmp_path, first, second):
+    run_dir = str(tmp_path / "run")
+    reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), "train.steps=4"))
+    expected = [reference.train_step()["loss"] for _ in range(4)]
+    world, ep, per_node = first
+    before = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, deadline_s=300)[0]
+    world, ep, per_node = second
+    after = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, deadline_s=300)[0]
+    assert before + after == pytest.approx(expected, rel=1e-5)
