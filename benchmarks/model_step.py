@@ -21,15 +21,18 @@ from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 
 
-def time_steps(step, warmup: int, repeats: int) -> float:
+def time_alternating(steps: dict, warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds per step of each callable, run in alternation so load changes hit both."""
     for _ in range(warmup):
-        step()
-    times = []
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
@@ -64,8 +67,8 @@ def main() -> None:
         hf(input_ids=inputs, labels=ids[:, :-1].clone()).loss.backward()
 
     tokens = opts.batch * opts.seq
-    t_hf = time_steps(step_hf, opts.warmup, opts.repeats)
-    t_ours = time_steps(step_ours, opts.warmup, opts.repeats)
+    medians = time_alternating({"hf": step_hf, "ours": step_ours}, opts.warmup, opts.repeats)
+    t_hf, t_ours = medians["hf"], medians["ours"]
     print(f"config {opts.config} batch {opts.batch} x seq {opts.seq}, {opts.threads} threads, fp32, "
           f"attn={hf.config._attn_implementation}")
     print(f"transformers DeepseekV3ForCausalLM: {tokens / t_hf:10.0f} tokens/s ({t_hf * 1000:.0f} ms/step)")

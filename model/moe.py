@@ -55,10 +55,12 @@ class RoutedExperts(nn.Module):
         token_sorted = token_of_slot[order]
         counts = torch.bincount(expert_of_slot, minlength=self.num_local_experts)
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate_up = self.gate_up_proj(x[token_sorted], offsets)
+        gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
         gate, up = gate_up.split(self.hidden, dim=-1)
-        out = self.down_proj(F.silu(gate) * up, offsets)
-        out = out * weights[slots][order].unsqueeze(1).to(out.dtype)
+        hidden = F.silu(gate) * up
+        # The router weight scales the (narrower) expert intermediate: down_proj is linear.
+        hidden = hidden * weights[slots][order].unsqueeze(1).to(hidden.dtype)
+        out = self.down_proj(hidden, offsets)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
 
 
