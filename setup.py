@@ -1,5 +1,15 @@
 """Packaging for the MoE training framework (model, parallel, kernels_cuda, moe_train)."""
+import importlib.util
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# The CUDA build hook is loaded by path: importing the kernels_cuda package would import torch,
+# which pip's build isolation may not have. It builds only with CUDA torch + nvcc, or when
+# MOE_TRAIN_BUILD_CUDA=1 (then install with --no-build-isolation).
+_spec = importlib.util.spec_from_file_location("kernels_cuda_build", Path(__file__).parent / "kernels_cuda" / "build.py")
+_cuda_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_cuda_build)
 
 setup(
     name="moe-train",
@@ -22,4 +32,6 @@ setup(
         "gpu": ["ninja"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.train:main"]},
+    ext_modules=_cuda_build.cuda_ext_modules(),
+    cmdclass=_cuda_build.cuda_cmdclass(),
 )

@@ -1,1 +1,50 @@
-"""Our CUDA dispatch/combine kernels (optional; reports "not built" on machines without CUDA)."""
+"""Our CUDA dispatch/combine kernels (optional; reports "not built" on machines without CUDA).
+
+`is_built()` / `build_status()` say whether the extension `kernels_cuda._C` is importable here;
+`Buffer` (one rank per process, NVLink peers) and `EmulatedGroup` (every rank in one process on
+one GPU) raise `KernelsNotBuilt` with that reason when it is not. Nothing here needs CUDA to import.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from kernels_cuda.config import Config
+
+_HOW = "build with MOE_TRAIN_BUILD_CUDA=1 pip install --no-build-isolation -e . on a machine with CUDA"
+if importlib.util.find_spec("kernels_cuda._C") is None:
+    _C = None
+    _STATUS = f"not built (no kernels_cuda._C extension); {_HOW}"
+else:
+    try:  # the torch extension built by kernels_cuda.build
+        _C = importlib.import_module("kernels_cuda._C")
+        _STATUS = "built"
+    except ImportError as error:  # e.g. built against another torch or CUDA
+        _C = None
+        _STATUS = f"not built (kernels_cuda._C fails to load: {error}); {_HOW}"
+
+
+class KernelsNotBuilt(RuntimeError):
+    """kernels_cuda._C is missing: no CUDA build of torch or nvcc when the package was installed."""
+
+
+def is_built() -> bool:
+    return _C is not None
+
+
+def build_status() -> str:
+    """'built', or 'not built (<why>); <how to build>'."""
+    return _STATUS
+
+
+def require_built() -> object:
+    """The extension module, or KernelsNotBuilt with the reason."""
+    if _C is None:
+        raise KernelsNotBuilt(f"kernels_cuda is {_STATUS}")
+    return _C
+
+
+from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs require_built)
+
+__all__ = ["Buffer", "Config", "EmulatedGroup", "EventOverlap", "Handle", "KernelsNotBuilt", "build_status",
+           "is_built", "require_built"]

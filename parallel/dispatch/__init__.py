@@ -35,9 +35,9 @@ class LocalBackend(LocalDispatcher):
 def _check_native() -> None:
     import kernels_cuda
 
-    if getattr(kernels_cuda, "Buffer", None) is None:
-        raise DispatcherUnavailable("dispatcher 'native': kernels_cuda is not built "
-                                    "(needs CUDA and the kernels_cuda build); use 'hierarchical' or 'alltoall'")
+    if not kernels_cuda.is_built():
+        raise DispatcherUnavailable(f"dispatcher 'native': kernels_cuda is not built here: {kernels_cuda.build_status()}; "
+                                    "use 'hierarchical' or 'alltoall'")
     raise DispatcherUnavailable("dispatcher 'native': kernels_cuda is built but not wired into parallel.dispatch yet")
 
 

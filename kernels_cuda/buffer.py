@@ -1,0 +1,278 @@
+"""DeepEP-style Python API over kernels_cuda._C.
+
+`Buffer(group, num_nvl_bytes)`: one rank per process, peers reached over NVLink through CUDA IPC
+handles exchanged with torch.distributed (`get_dispatch_layout`, `dispatch`, `combine`, handles,
+events, as deep_ep.Buffer's intranode path). `EmulatedGroup(num_ranks, num_nvl_bytes)`: every rank
+in this process on one GPU, all ranks' buffers in one allocation; the same calls take and return
+one entry per rank, and one kernel launch covers all ranks.
+
+Simplification (for now): ops run on the caller's current stream; `previous_event` is waited on,
+`async_finish` returns an event recorded after the op, `allocate_on_comm_stream` is accepted and
+ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kernels_cuda import constants as C
+from kernels_cuda.config import Config
+
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
+
+
+class EventOverlap:
+    """A CUDA event marking the end of an op (None when the op was synchronous)."""
+
+    def __init__(self, event: torch.cuda.Event | None = None) -> None:
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+@dataclass
+class Handle:
+    """What combine and cached dispatch reuse (DeepEP's intranode handle)."""
+
+    rank_prefix_matrix: torch.Tensor     # [R, R] int32: tokens from ranks <= i to rank j
+    channel_prefix_matrix: torch.Tensor  # [R, C] int32: this rank's tokens to rank j in channels <= c
+    recv_channel_offset: torch.Tensor    # [R, C] int32: start of (source, channel) in the source's block
+    recv_src_idx: torch.Tensor           # [M] int32: token index at the source rank of each row
+    is_token_in_rank: torch.Tensor       # [N, R] bool
+    send_head: torch.Tensor              # [N, R] int32: ring slot of token t towards rank r, or negative
+    num_recv_tokens: int
+    config: Config
+
+
+def _event_after(async_finish: bool) -> EventOverlap:
+    if not async_finish:
+        return EventOverlap()
+    event = torch.cuda.Event()
+    event.record()
+    return EventOverlap(event)
+
+
+class _Engine:
+    """Per-rank lists of tensors -> kernel launches; shared by Buffer and EmulatedGroup."""
+
+    def __init__(self, runtime: Any, ext: Any, num_ranks: int, config: Config, timeout_cycles: int,
+                 timeout_s: float) -> None:
+        self.runtime, self.ext, self.num_ranks, self.config = runtime, ext, num_ranks, config
+        self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
+
+    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+        per_rank, _per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
+            topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
+        return per_rank, per_expert, in_rank
+
+    def _check(self, config: Config, hidden_bytes: int, num_topk: int, num_experts: int) -> None:
+        problem = config.validate(self.num_ranks, hidden_bytes, num_topk, max(1, num_experts // self.num_ranks))
+        if problem is not None:
+            raise ValueError(f"kernels_cuda: invalid config {config}: {problem}")
+
+    def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
+                 topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[tuple[torch.Tensor, ...] | None],
+                 handles: Sequence[Handle | None], num_experts: int, expert_alignment: int, num_worst_tokens: int,
+                 config: Config | None, stalled_rank: int = -1) -> list[tuple]:
+        config = config or self.config
+        cached = handles[0] is not None
+        payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
+        rows, scales = payloads[0]
+        hidden_bytes = rows.shape[1] * rows.element_size()
+        num_topk = topk_idx[0].shape[1] if topk_idx[0] is not None else 1
+        self._check(config, hidden_bytes, num_topk, num_experts)
+        R, channels = self.num_ranks, config.num_channels
+        device = rows.device
+
+        if cached:
+            prefix = [(h.rank_prefix_matrix, h.channel_prefix_matrix, h.is_token_in_rank) for h in handles]
+            self.runtime.cached_notify([
+                {"rank": r, "num_tokens": x[0].shape[0], "send_head": None, "channel_prefix_matrix": p[1]}
+                for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
+            received = [(h.num_recv_tokens, []) for h in handles]
+        else:
+            # the kernels index these densely: int32 counts, contiguous bool [N, R]
+            layouts = [(lay[0].int().contiguous(), lay[1].int().contiguous(), lay[2].bool().contiguous())
+                       for lay in layouts]
+            prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
+                       torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
+            self.runtime.notify_dispatch([
+                {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
+                 "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
+                 "channel_prefix_matrix": p[1]}
+                for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
+                num_experts, channels, expert_alignment, self.timeout_cycles)
+            if num_worst_tokens > 0:
+                received = [(num_worst_tokens, []) for _ in ranks]
+            else:
+                received = self.runtime.wait_recv_counts(len(ranks), num_experts // R, self.timeout_s)
+
+        args, outputs = [], []
+        for r, (x, x_scales), idx, weights, p, (num_recv, _) in zip(ranks, payloads, topk_idx, topk_weights, prefix, received):
+            out = {
+                "recv_x": torch.empty(num_recv, x.shape[1], dtype=x.dtype, device=device),
+                "recv_x_scales": None if x_scales is None else
+                torch.empty(num_recv, x_scales.shape[1], dtype=torch.float32, device=device),
+                "recv_src_idx": torch.empty(num_recv, dtype=torch.int32, device=device),
+                "recv_topk_idx": None if idx is None else torch.empty(num_recv, num_topk, dtype=torch.int64, device=device),
+                "recv_topk_weights": None if idx is None else
+                torch.empty(num_recv, num_topk, dtype=torch.float32, device=device),
+                "recv_channel_offset": torch.empty(R, channels, dtype=torch.int32, device=device),
+                "send_head": torch.empty(x.shape[0], R, dtype=torch.int32, device=device),
+            }
+            args.append({
+                "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
+                "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
+                "topk_idx": None if idx is None else idx.contiguous(),
+                "topk_weights": None if idx is None else weights.float().contiguous(),
+                "is_token_in_rank": p[2], "channel_prefix_matrix": p[1], "rank_prefix_matrix": p[0], **out})
+            outputs.append(out)
+        self.runtime.dispatch(args, {
+            "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1], "num_topk": num_topk,
+            "num_channels": channels, "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
+            "num_experts": num_experts, "num_worst_tokens": num_worst_tokens, "timeout_cycles": self.timeout_cycles,
+            "stalled_rank": stalled_rank})
+
+        results = []
+        for a, out, (num_recv, per_expert), h in zip(args, outputs, received, handles):
+            handle = Handle(a["rank_prefix_matrix"], a["channel_prefix_matrix"], out["recv_channel_offset"],
+                            out["recv_src_idx"], a["is_token_in_rank"], out["send_head"],
+                            h.num_recv_tokens if h is not None else num_recv, config)
+            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (out["recv_x"], out["recv_x_scales"])
+            results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
+        return results
+
+    def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[Handle],
+                topk_weights: Sequence[torch.Tensor | None], config: Config | None,
+                stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        config = config or handles[0].config
+        y0 = ys[0]
+        if y0.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"kernels_cuda combine supports bfloat16 and float32 rows, got {y0.dtype}")
+        hidden_bytes = y0.shape[1] * y0.element_size()
+        num_topk = topk_weights[0].shape[1] if topk_weights[0] is not None else 1
+        self._check(config, hidden_bytes, num_topk, self.num_ranks)
+        self.runtime.cached_notify([
+            {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
+             "channel_prefix_matrix": h.channel_prefix_matrix} for r, h in zip(ranks, handles)],
+            config.num_channels, self.timeout_cycles)
+        args, results = [], []
+        for r, y, h, w in zip(ranks, ys, handles, topk_weights):
+            tokens = h.is_token_in_rank.shape[0]
+            combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+            combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
+            args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
+                         "topk_weights": None if w is None else w.float().contiguous(),
+                         "rank_prefix_matrix": h.rank_prefix_matrix, "recv_channel_offset": h.recv_channel_offset,
+                         "send_head": h.send_head, "combined_x": combined, "combined_topk_weights": combined_w})
+            results.append((combined, combined_w))
+        self.runtime.combine(args, {
+            "hidden_bytes": hidden_bytes, "num_topk": num_topk, "num_channels": config.num_channels,
+            "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
+            "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank,
+            "float32": y0.dtype == torch.float32})
+        return results
+
+
+class Buffer:
+    """One EP rank per process over NVLink (DeepEP's intranode Buffer API)."""
+
+    def __init__(self, group: Any, num_nvl_bytes: int, config: Config | None = None,
+                 timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0) -> None:
+        import kernels_cuda
+        import torch.distributed as dist
+
+        ext = kernels_cuda.require_built()
+        self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
+        self.runtime = ext.Runtime(self.rank, self.num_ranks, int(num_nvl_bytes), False)
+        handles: list = [None] * self.num_ranks
+        dist.all_gather_object(handles, self.runtime.ipc_handle(), group=group)
+        self.runtime.open_ipc_handles(handles)
+        dist.barrier(group=group)
+        self.engine = _Engine(self.runtime, ext, self.num_ranks, config or Config(), timeout_cycles, timeout_s)
+
+    @staticmethod
+    def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, num_topk: int, config: Config | None = None) -> int:
+        return (config or Config()).buffer_size_hint(num_ranks, hidden_bytes, num_topk)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
+        """(num_tokens_per_rank, None (no RDMA ranks intranode), num_tokens_per_expert, is_token_in_rank, event)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        per_rank, per_expert, in_rank = self.engine.layout(topk_idx, num_experts)
+        return per_rank, None, per_expert, in_rank, _event_after(async_finish)
+
+    def dispatch(self, x: Payload, handle: Handle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
+                 num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> tuple:
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        num_experts = 0 if num_tokens_per_expert is None else num_tokens_per_expert.numel()
+        layout = None if handle is not None else (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+        (result,) = self.engine.dispatch([self.rank], [x], [topk_idx], [topk_weights], [layout], [handle],
+                                         num_experts or self.num_ranks, expert_alignment, num_worst_tokens, config)
+        return (*result, _event_after(async_finish))
+
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None,
+                config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple:
+        """(combined_x, combined_topk_weights, event): unweighted sum over the ranks each token went to."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config)
+        return combined, weights, _event_after(async_finish)
+
+
+class EmulatedGroup:
+    """All `num_ranks` ranks in this process on the current GPU; calls take and return per-rank lists."""
+
+    def __init__(self, num_ranks: int, num_nvl_bytes: int, config: Config | None = None,
+                 timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0) -> None:
+        import kernels_cuda
+
+        ext = kernels_cuda.require_built()
+        self.num_ranks = num_ranks
+        self.runtime = ext.Runtime(0, num_ranks, int(num_nvl_bytes), True)
+        self.engine = _Engine(self.runtime, ext, num_ranks, config or Config(), timeout_cycles, timeout_s)
+
+    def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
+        return [self.engine.layout(idx, num_experts) for idx in topk_idx]
+
+    def dispatch(self, xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor] | None = None,
+                 topk_weights: Sequence[torch.Tensor] | None = None, num_experts: int | None = None,
+                 handles: Sequence[Handle] | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Config | None = None, stalled_rank: int = -1) -> list[tuple]:
+        """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)."""
+        R = self.num_ranks
+        if handles is None:
+            if topk_idx is None or num_experts is None:
+                raise ValueError("dispatch without handles needs topk_idx and num_experts")
+            layouts = self.get_dispatch_layout(topk_idx, num_experts)
+        else:
+            layouts = [None] * R
+            num_experts = num_experts or R
+        return self.engine.dispatch(range(R), xs, topk_idx or [None] * R, topk_weights or [None] * R, layouts,
+                                    handles or [None] * R, num_experts, expert_alignment, num_worst_tokens, config,
+                                    stalled_rank)
+
+    def combine(self, ys: Sequence[torch.Tensor], handles: Sequence[Handle],
+                topk_weights: Sequence[torch.Tensor] | None = None, config: Config | None = None,
+                stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return self.engine.combine(range(self.num_ranks), ys, handles, topk_weights or [None] * self.num_ranks,
+                                   config, stalled_rank)
+
+    def error_record(self) -> dict[str, int]:
+        """The first device timeout (code 0 = none): role, rank, channel, peer, head, tail, expected."""
+        keys = ("code", "role", "rank", "channel", "peer", "head", "tail", "expected")
+        return dict(zip(keys, self.runtime.error_record()))

@@ -1,0 +1,105 @@
+"""Build hook for the CUDA extension `kernels_cuda._C`, called from setup.py (or `python -m kernels_cuda.build`
+to build it in place).
+
+The extension is built when torch is a CUDA build and nvcc is found, or when
+MOE_TRAIN_BUILD_CUDA=1 (which turns "cannot build" into an error); MOE_TRAIN_BUILD_CUDA=0 skips
+it. Everywhere else installation proceeds without it and `kernels_cuda.build_status()` says why.
+torch is imported only here, lazily: under pip's build isolation it may be missing, which means
+"skip" (install with `--no-build-isolation` to build against the installed torch).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CSRC = PACKAGE_DIR / "csrc"
+CUDA_SOURCES = sorted((CSRC / "kernels").glob("*.cu"))
+HOST_SOURCES = [CSRC / "host" / "bindings.cpp"]
+# No Hopper-only instructions (TMA, wgmma, setmaxnreg) are used yet, so plain sm_90 suffices;
+# switch to compute_90a/sm_90a when they are.
+ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
+# No -std here: torch's BuildExtension picks the standard its headers need (C++17 or newer).
+NVCC_FLAGS = ["-O3", f"-I{CSRC}", "--expt-relaxed-constexpr"]
+CXX_FLAGS = ["-O3", f"-I{CSRC}"]
+# Device sources alone (compile_check) need only C++17.
+DEVICE_ONLY_FLAGS = ["-std=c++17"]
+ENV_SWITCH = "MOE_TRAIN_BUILD_CUDA"
+
+
+def find_nvcc() -> str | None:
+    """nvcc from $CUDA_HOME (or $CUDA_PATH), else from PATH, else /usr/local/cuda."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").is_file():
+            return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.is_file() else None
+
+
+def build_decision() -> tuple[bool, str]:
+    """(build?, reason). Raises RuntimeError when MOE_TRAIN_BUILD_CUDA=1 but building is impossible."""
+    switch = os.environ.get(ENV_SWITCH, "").strip()
+    if switch == "0":
+        return False, f"{ENV_SWITCH}=0"
+    problems = []
+    try:
+        import torch
+        if torch.version.cuda is None:
+            problems.append(f"torch {torch.__version__} is not a CUDA build")
+    except ImportError:
+        problems.append("torch is not importable at build time (use pip install --no-build-isolation)")
+    if find_nvcc() is None:
+        problems.append("nvcc not found (set CUDA_HOME)")
+    if not problems:
+        return True, "CUDA torch and nvcc found"
+    if switch == "1":
+        raise RuntimeError(f"{ENV_SWITCH}=1 but the CUDA extension cannot be built: " + "; ".join(problems))
+    return False, "; ".join(problems)
+
+
+def cuda_ext_modules() -> list[Any]:
+    """[CUDAExtension('kernels_cuda._C')] when building, else []."""
+    build, reason = build_decision()
+    print(f"kernels_cuda: {'building' if build else 'skipping'} the CUDA extension ({reason})")
+    if not build:
+        return []
+    from torch.utils.cpp_extension import CUDAExtension
+
+    root = PACKAGE_DIR.parent
+    return [CUDAExtension(
+        name="kernels_cuda._C",
+        sources=[str(p.relative_to(root)) for p in [*HOST_SOURCES, *CUDA_SOURCES]],
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": [*NVCC_FLAGS, *ARCH_FLAGS]},
+    )]
+
+
+def cuda_cmdclass() -> dict[str, Any]:
+    """{'build_ext': torch's BuildExtension} when building, else {}."""
+    if not build_decision()[0]:
+        return {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+def build_inplace() -> None:
+    """Build kernels_cuda/_C*.so next to the sources (what tests/gpu/run_gpu_checks.sh uses)."""
+    from setuptools import setup
+
+    os.environ.setdefault(ENV_SWITCH, "1")
+    cwd = Path.cwd()
+    os.chdir(PACKAGE_DIR.parent)  # the extension's sources are given relative to the repository root
+    try:
+        setup(name="kernels_cuda_ext", ext_modules=cuda_ext_modules(), cmdclass=cuda_cmdclass(),
+              script_args=["build_ext", "--inplace"])
+    finally:
+        os.chdir(cwd)
+
+
+if __name__ == "__main__":
+    build_inplace()

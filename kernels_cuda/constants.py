@@ -1,0 +1,37 @@
+"""The kernels' constants, parsed from csrc/ep_constants.h (the single source of truth).
+
+Each `constexpr <integer type> kName = <integer>;` line of the header becomes an attribute here
+(`kMaxRanks` -> `MAX_RANKS`), so the Python mirror of the config validation and the CPU protocol
+model use exactly the values the kernels are compiled with.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+HEADER = Path(__file__).resolve().parent / "csrc" / "ep_constants.h"
+_LINE = re.compile(r"^\s*constexpr\s+(?:int|long long|int64_t)\s+k(\w+)\s*=\s*(-?\d+)(?:LL)?\s*;", re.MULTILINE)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper()
+
+
+def parse_constants(text: str) -> dict[str, int]:
+    """{'MAX_RANKS': 8, ...} from the text of ep_constants.h."""
+    return {_snake(name): int(value) for name, value in _LINE.findall(text)}
+
+
+CONSTANTS = parse_constants(HEADER.read_text())
+MAX_RANKS = CONSTANTS["MAX_RANKS"]
+WARP_SIZE = CONSTANTS["WARP_SIZE"]
+DISPATCH_WARPS = CONSTANTS["DISPATCH_WARPS"]
+COMBINE_WARPS = CONSTANTS["COMBINE_WARPS"]
+COMBINE_KEEPER_WARPS = CONSTANTS["COMBINE_KEEPER_WARPS"]
+MAX_TOPK = CONSTANTS["MAX_TOPK"]
+MAX_LOCAL_EXPERTS = CONSTANTS["MAX_LOCAL_EXPERTS"]
+RECORD_ALIGN = CONSTANTS["RECORD_ALIGN"]
+BUFFER_ALIGN = CONSTANTS["BUFFER_ALIGN"]
+FP8_BLOCK_SIZE = CONSTANTS["FP8_BLOCK_SIZE"]
+MAX_CHANNELS = CONSTANTS["MAX_CHANNELS"]
+DEFAULT_TIMEOUT_CYCLES = CONSTANTS["DEFAULT_TIMEOUT_CYCLES"]

@@ -1,0 +1,24 @@
+// Constants shared by the kernels, the host code and the Python side.
+// kernels_cuda/constants.py parses the `constexpr` lines below (one name = one integer per line),
+// so the CPU protocol model and the config validation mirror use exactly these values.
+#pragma once
+
+namespace ep {
+
+constexpr int kMaxRanks = 8;             // ranks of one NVLink domain handled by the intranode kernels
+constexpr int kWarpSize = 32;
+constexpr int kDispatchWarps = 24;       // warps of a dispatch block (sender SM and receiver SM alike)
+constexpr int kCombineWarps = 24;        // warps of a combine block
+constexpr int kCombineKeeperWarps = 1;   // combine receiver SM: warp 0 keeps the heads, the rest reduce
+constexpr int kNotifyThreads = 256;
+constexpr int kLayoutThreads = 256;
+constexpr int kLayoutUnitsPerBlock = 32; // experts, ranks or nodes counted by one layout block
+constexpr int kMaxTopk = 32;
+constexpr int kMaxLocalExperts = 1024;
+constexpr int kRecordAlign = 16;         // every ring record starts on a 16-byte boundary
+constexpr int kBufferAlign = 128;        // every buffer region starts on a 128-byte boundary
+constexpr int kFp8BlockSize = 128;       // one float scale per 128 FP8 channels
+constexpr int kMaxChannels = 64;
+constexpr long long kDefaultTimeoutCycles = 200000000000LL;  // ~100 s at 2 GHz
+
+}  // namespace ep

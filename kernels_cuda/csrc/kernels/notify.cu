@@ -1,0 +1,156 @@
+// Intranode notify kernels.
+// notify_dispatch: block 0 of each rank exchanges counts (barrier, put own row of per-rank counts
+//   and per-local-expert counts into every peer, zero own ring metadata, barrier), then derives
+//   rank_prefix_matrix and publishes the receive counts to host-mapped memory. Blocks 1..R compute
+//   channel_prefix_matrix, one destination rank each.
+// cached_notify: block 0 barriers, zeroes the ring metadata and barriers again (used before a
+//   cached dispatch and before combine); the other blocks rewrite send_head for combine: every -1
+//   becomes -(next present slot)-1, the channel's count past the last present token, so that a
+//   combine reducer can advance its head over tokens absent from a ring without waiting.
+#include <climits>
+
+#include "../ep_launch.cuh"
+#include "../ep_params.h"
+#include "../ep_sync.cuh"
+
+namespace ep {
+
+namespace {
+
+__device__ __forceinline__ int read_volatile(const int* ptr) { return *reinterpret_cast<const volatile int*>(ptr); }
+
+template <Backend B>
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(const __grid_constant__ NotifyParams p) {
+    const int blocks_per_rank = 1 + p.num_ranks;
+    const NotifyRankArgs& a = p.ranks[blockIdx.x / blocks_per_rank];
+    const int role = static_cast<int>(blockIdx.x % blocks_per_rank);
+    const int num_ranks = p.num_ranks, me = a.rank;
+    const Transport<B> net(a.peers);
+    const BufferLayout& layout = p.layout;
+
+    if (role == 0) {
+        const int local_experts = p.num_experts / num_ranks;
+        rank_barrier(net, layout, me, num_ranks, p.timeout_cycles, p.error);  // the previous op is over everywhere
+        for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+            const int dst = i / num_ranks, col = i % num_ranks;
+            *net.template peer_ptr<int>(dst, layout.notify_rank + (me * kMaxRanks + col) * 4) = a.num_tokens_per_rank[col];
+        }
+        for (int i = threadIdx.x; i < num_ranks * local_experts; i += blockDim.x) {
+            const int dst = i / local_experts, e = i % local_experts;
+            *net.template peer_ptr<int>(dst, layout.notify_expert + (static_cast<int64_t>(me) * kMaxLocalExperts + e) * 4) =
+                a.num_tokens_per_expert[i];
+        }
+        zero_ring_metadata(net, layout, me);
+        rank_barrier(net, layout, me, num_ranks, p.timeout_cycles, p.error);
+
+        const int* rows = net.template peer_ptr<int>(me, layout.notify_rank);
+        if (threadIdx.x < num_ranks) {
+            const int col = static_cast<int>(threadIdx.x);
+            int sum = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                sum += read_volatile(rows + src * kMaxRanks + col);
+                a.rank_prefix_matrix[src * num_ranks + col] = sum;
+            }
+        }
+        const int* experts = net.template peer_ptr<int>(me, layout.notify_expert);
+        for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
+            int sum = 0;
+            for (int src = 0; src < num_ranks; ++src) sum += read_volatile(experts + src * kMaxLocalExperts + e);
+            const int aligned = (sum + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
+            *reinterpret_cast<volatile int*>(a.recv_expert_counter + e) = aligned;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int src = 0; src < num_ranks; ++src) total += read_volatile(rows + src * kMaxRanks + me);
+            __threadfence_system();  // expert counts before the total the host polls on
+            *reinterpret_cast<volatile int*>(a.recv_counter) = total;
+            __threadfence_system();
+        }
+        return;
+    }
+
+    // Channel prefix for destination rank `dst`: one warp per channel, then a serial scan.
+    const int dst = role - 1;
+    __shared__ int per_channel[kMaxChannels];
+    for (int c = warp_id(); c < p.num_channels; c += blockDim.x / 32) {
+        int begin, end;
+        channel_range(a.num_tokens, p.num_channels, c, &begin, &end);
+        int count = 0;
+        for (int t = begin + lane_id(); t < end; t += 32) count += a.is_token_in_rank[static_cast<int64_t>(t) * num_ranks + dst];
+        for (int offset = 16; offset > 0; offset /= 2) count += __shfl_xor_sync(0xffffffffu, count, offset);
+        if (lane_id() == 0) per_channel[c] = count;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int sum = 0;
+        for (int c = 0; c < p.num_channels; ++c) {
+            sum += per_channel[c];
+            a.channel_prefix_matrix[dst * p.num_channels + c] = sum;
+        }
+    }
+}
+
+// One warp rewrites the column of send_head for (channel, rank), scanning 32 tokens at a time
+// from the end with a suffix minimum of present slots.
+__device__ void rewrite_send_head(int* send_head, int num_ranks, int rank, int begin, int end, int past_end) {
+    int next = past_end;
+    for (int stop = end; stop > begin; stop -= 32) {
+        const int t = stop - 32 + lane_id();
+        const bool valid = t >= begin;
+        const int stored = valid ? send_head[static_cast<int64_t>(t) * num_ranks + rank] : -1;
+        int present = stored >= 0 ? stored : INT_MAX;
+        for (int offset = 1; offset < 32; offset *= 2) {
+            const int other = __shfl_down_sync(0xffffffffu, present, offset);
+            if (lane_id() + offset < 32) present = min(present, other);
+        }
+        // For an absent token the inclusive suffix minimum is that of the later tokens.
+        const int target = min(present, next);
+        if (valid && stored < 0) send_head[static_cast<int64_t>(t) * num_ranks + rank] = -target - 1;
+        next = min(next, __shfl_sync(0xffffffffu, present, 0));
+    }
+}
+
+template <Backend B>
+__global__ void __launch_bounds__(kNotifyThreads, 1) cached_notify_kernel(const __grid_constant__ CachedNotifyParams p) {
+    const int blocks_per_rank = static_cast<int>(gridDim.x) / p.num_launch_ranks;
+    const CachedNotifyRankArgs& a = p.ranks[blockIdx.x / blocks_per_rank];
+    const int role = static_cast<int>(blockIdx.x % blocks_per_rank);
+    const Transport<B> net(a.peers);
+
+    if (role == 0) {
+        rank_barrier(net, p.layout, a.rank, p.num_ranks, p.timeout_cycles, p.error);
+        zero_ring_metadata(net, p.layout, a.rank);
+        rank_barrier(net, p.layout, a.rank, p.num_ranks, p.timeout_cycles, p.error);
+        return;
+    }
+    if (a.send_head == nullptr) return;
+    const int warps = kNotifyThreads / 32;
+    for (int job = (role - 1) * warps + warp_id(); job < p.num_channels * p.num_ranks; job += (blocks_per_rank - 1) * warps) {
+        const int channel = job / p.num_ranks, rank = job % p.num_ranks;
+        int begin, end;
+        channel_range(a.num_tokens, p.num_channels, channel, &begin, &end);
+        const int* prefix = a.channel_prefix_matrix + rank * p.num_channels;
+        const int count = prefix[channel] - (channel > 0 ? prefix[channel - 1] : 0);
+        rewrite_send_head(a.send_head, p.num_ranks, rank, begin, end, count);
+    }
+}
+
+}  // namespace
+
+cudaError_t launch_notify_dispatch(const NotifyParams& p, Backend backend, cudaStream_t stream) {
+    const int blocks = p.num_launch_ranks * (1 + p.num_ranks);
+    if (backend == Backend::kEmulated)
+        return launch_cooperative(notify_dispatch_kernel<Backend::kEmulated>, blocks, kNotifyThreads, stream, p);
+    return launch_cooperative(notify_dispatch_kernel<Backend::kNvlink>, blocks, kNotifyThreads, stream, p);
+}
+
+cudaError_t launch_cached_notify(const CachedNotifyParams& p, Backend backend, cudaStream_t stream) {
+    const int rewrite_blocks = ceil_div(p.num_channels * p.num_ranks, kNotifyThreads / 32);
+    const int blocks = p.num_launch_ranks * (1 + rewrite_blocks);
+    if (backend == Backend::kEmulated)
+        return launch_cooperative(cached_notify_kernel<Backend::kEmulated>, blocks, kNotifyThreads, stream, p);
+    return launch_cooperative(cached_notify_kernel<Backend::kNvlink>, blocks, kNotifyThreads, stream, p);
+}
+
+}  // namespace ep

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 8 min on
+# one H200), writing a short Markdown report to $1 (default docs/gpu_runs/<UTC date>.md).
+# Every step runs even if an earlier one failed; the exit status is non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+REPORT="${1:-docs/gpu_runs/$(date -u +%Y-%m-%d).md}"
+mkdir -p "$(dirname "$REPORT")"
+LOGS="$(mktemp -d)"
+export MOE_TRAIN_BUILD_CUDA=1 KERNELS_CUDA_REQUIRED=1 PYTHONUNBUFFERED=1
+export MAX_JOBS="${MAX_JOBS:-16}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+FAILED=0
+ROWS=""
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+    local name="$1" limit="$2"; shift 2
+    local start rc
+    start=$(date +%s)
+    echo "=== $name: $*"
+    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    tail -n 60 "$LOGS/$name.log"
+    echo "=== $name: rc=$rc in $(( $(date +%s) - start )) s"
+    [ "$rc" -ne 0 ] && FAILED=1
+    ROWS+="| $name | $rc | $(( $(date +%s) - start )) s |"$'\n'
+}
+
+step environment 60 bash -c 'nvidia-smi; nvcc --version; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD; git status --short | head -20'
+step compile_check 120 python -m kernels_cuda.compile_check --jobs 4
+step build 300 python -m kernels_cuda.build
+step import 60 python -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
+step tests 240 python -m pytest tests/gpu -q -rA -p no:cacheprovider
+step bench 90 python -m tests.gpu.bench_emulated
+
+{
+    echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo "Commit \`$(git rev-parse --short HEAD 2>/dev/null)\` ($(git status --short | wc -l) changed files)."
+    echo "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+    echo
+    echo "| step | rc | time |"
+    echo "|---|---|---|"
+    printf '%s' "$ROWS"
+    for name in compile_check tests bench; do
+        echo
+        echo "## $name"
+        echo '```'
+        tail -n 40 "$LOGS/$name.log" 2>/dev/null
+        echo '```'
+    done
+    if [ "$FAILED" -ne 0 ]; then
+        echo
+        echo "## logs of failed steps"
+        for log in "$LOGS"/*.log; do
+            echo "### $(basename "$log")"
+            echo '```'
+            tail -n 80 "$log"
+            echo '```'
+        done
+    fi
+} >"$REPORT"
+echo "report: $REPORT (full logs in $LOGS)"
+exit "$FAILED"

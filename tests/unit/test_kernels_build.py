@@ -1,0 +1,110 @@
+"""kernels_cuda without CUDA: clean import, build decision, constants/config mirrors, compile_check."""
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels_cuda
+from kernels_cuda import build, constants
+from kernels_cuda.compile_check import parse_ptxas
+from kernels_cuda.config import Config, validate
+
+CPU_TORCH = torch.version.cuda is None
+
+
+@pytest.mark.skipif(kernels_cuda.is_built(), reason="the extension is built here")
+def test_import_reports_not_built_and_buffers_refuse_clearly():
+    assert "not built" in kernels_cuda.build_status()
+    with pytest.raises(kernels_cuda.KernelsNotBuilt, match="not built"):
+        kernels_cuda.EmulatedGroup(2, 1 << 20)
+    with pytest.raises(kernels_cuda.KernelsNotBuilt, match="not built"):
+        kernels_cuda.Buffer(None, 1 << 20)
+
+
+@pytest.mark.skipif(not CPU_TORCH, reason="needs a CPU build of torch")
+def test_build_is_skipped_on_cpu_torch_and_forcing_it_fails_loudly(monkeypatch):
+    monkeypatch.delenv(build.ENV_SWITCH, raising=False)
+    decision, reason = build.build_decision()
+    assert not decision and "not a CUDA build" in reason
+    assert build.cuda_ext_modules() == [] and build.cuda_cmdclass() == {}
+    monkeypatch.setenv(build.ENV_SWITCH, "1")
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        build.build_decision()
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    assert build.build_decision() == (False, f"{build.ENV_SWITCH}=0")
+
+
+def test_sources_are_split_into_device_and_host_files():
+    assert {p.name for p in build.CUDA_SOURCES} >= {"layout.cu", "notify.cu", "intranode_dispatch.cu",
+                                                    "intranode_combine.cu"}
+    for source in build.CUDA_SOURCES:  # device code depends on the CUDA toolkit only
+        assert "torch" not in source.read_text()
+    assert "torch/extension.h" in build.HOST_SOURCES[0].read_text()
+
+
+def test_constants_come_from_the_header():
+    parsed = constants.parse_constants(constants.HEADER.read_text())
+    assert parsed["MAX_RANKS"] == constants.MAX_RANKS == 8
+    assert parsed["COMBINE_WARPS"] > parsed["COMBINE_KEEPER_WARPS"]
+    assert constants.parse_constants("constexpr long long kBig = 12LL;\nconstexpr int kSmallOne = 3;") == {
+        "BIG": 12, "SMALL_ONE": 3}
+
+
+def test_config_defaults_are_valid_and_violations_are_named():
+    cfg = Config()
+    assert cfg.validate(8, 7168 * 2, 8, 32) is None
+    assert "chunk" in Config(20, 300, 256).validate(8, 7168 * 2, 8, 32)
+    assert "divide evenly" in cfg.validate(5, 7168 * 2, 8, 32)
+    assert "too small" in cfg.validate(8, 7168 * 2, 8, 32, buffer_size=1 << 20)
+    assert cfg.validate(8, 7168 * 2, 8, 32, buffer_size=cfg.buffer_size_hint(8, 7168 * 2, 8)) is None
+
+
+GRID = list(itertools.product([1, 10, 65], [0, 1, 6, 300], [4, 256], [1, 2, 5, 8, 9], [256, 14336, 100], [0, 8, 33],
+                              [1, 2000], [0, 1 << 20, 1 << 30]))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
+def test_python_config_mirror_matches_the_header(tmp_path):
+    probe = tmp_path / "probe"
+    src = build.CSRC / "host" / "config_probe.cpp"
+    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(probe)], check=True)
+    lines = "\n".join(" ".join(map(str, case)) for case in GRID)
+    out = subprocess.run([str(probe)], input=lines, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(GRID)
+    for case, line in zip(GRID, out):
+        channels, chunk, capacity, ranks, hidden, topk, local_experts, buffer_size = case
+        problem = validate(channels, chunk, capacity, ranks, hidden, topk, local_experts, buffer_size)
+        if problem is None:
+            assert line.startswith("OK "), (case, line)
+            cfg = Config(2 * channels, chunk, capacity)
+            assert int(line.split()[1]) == cfg.buffer_size_hint(ranks, hidden, topk), case
+        else:
+            assert line == f"ERR {problem}", case
+
+
+def test_ptxas_parsing_reads_registers_smem_and_spills():
+    log = """ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'
+ptxas info    : Function properties for _Z1kv
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 90 registers, used 1 barriers, 16 bytes cumulative stack size, 512 bytes smem
+"""
+    (kernel,) = parse_ptxas(log)
+    assert (kernel.name, kernel.arch, kernel.registers, kernel.smem) == ("_Z1kv", "sm_90", 90, 512)
+    assert (kernel.stack, kernel.spill_stores, kernel.spill_loads) == (16, 8, 4)
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
+def test_compile_check_compiles_every_kernel_for_sm90_without_spills():
+    proc = subprocess.run([sys.executable, "-m", "kernels_cuda.compile_check"], capture_output=True, text=True,
+                          cwd=Path(build.PACKAGE_DIR).parent, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for kernel in ("get_dispatch_layout_kernel", "notify_dispatch_kernel", "cached_notify_kernel", "dispatch_kernel",
+                   "combine_kernel"):
+        assert kernel in proc.stdout
+    assert " 0 problems" in proc.stdout
