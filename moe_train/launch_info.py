@@ -1,8 +1,9 @@
 """Validate a config for the launcher and print the processes per node to start.
 
-`python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P]`
+`python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P] [--log-dir]`
 checks the config and the process layout for N nodes x P processes (P defaults to
 parallel.nproc_per_node, else 1) before anything starts; exit 2 with the problems listed.
+With --log-dir a second line gives the resolved logging.dir (the launcher's per-job logs go below it).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--nproc-per-node", type=int, default=None)
+    parser.add_argument("--log-dir", action="store_true", help="also print logging.dir on a second line")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(nproc)
+    if args.log_dir:
+        print(config.logging.dir)
     return 0
 
 

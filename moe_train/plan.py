@@ -1,0 +1,282 @@
+"""Check a run's parallel layout and memory for a cluster before anything starts.
+
+    python -m moe_train.plan --config FILE [--set section.key=value ...] --nodes N --gpus-per-node G
+        [--gpu-memory-gib M] [--reserve-gib R] [--recompute {none,full}]
+
+Validates the config and the layout (parallel.topology.layout_problems, the launcher's batch
+check, the pipeline schedule's requirements), then prints per pipeline rank: parameters (stage
+split in moe_train/plan_stages.py; routed experts divided over ep), weights, gradients and Adam
+state, peak activations (the simulated schedule's F/backward order times the per-stage activation
+estimate), the simulated bubble, and the expert-dispatch traffic per step (moe_train/plan_traffic.py).
+
+Memory per rank, as the trainer keeps it: fp32 parameters (they are the master weights), fp32
+gradients, with bf16 the autocast copies of the weights (2 B each), Adam's two fp32 moments
+(ZeRO-1: dense ones sharded over dp, expert ones over expert-dp), activations in the compute dtype,
+and --reserve-gib for the CUDA context, communication buffers and allocator fragmentation.
+--recompute full is a planning assumption for a trainer that recomputes each decoder layer in
+backward (it stores the fp32 layer inputs plus one layer's activations at a time); the trainer
+does not do that yet. Exit 2 with every problem named by its config key when the layout cannot
+work, or when --gpu-memory-gib is given and a rank does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from model.flops import count_parameters
+from moe_train.config import Config, ConfigError, load_config
+from moe_train.launch_info import layout_errors
+from moe_train.plan_stages import Stage, build_stages, embedding_parameters, layer_activation_elements, \
+    head_activation_elements
+from moe_train.plan_traffic import expected_routing, token_traffic
+from parallel.pipeline.builders import build
+from parallel.pipeline.ir import ActionKind, Schedule
+from parallel.pipeline.timeline import Timeline, simulate
+
+GIB = 2 ** 30
+RECOMPUTE = ("none", "full")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pipeline rank (every dp / ep rank of a stage holds the same amounts)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    dense_params: int  # replicated over dp, includes an embedding copy when MTP needs one here
+    expert_params: int  # this rank's share of the routed experts
+    weights: float  # bytes, fp32 parameters, gradients and bf16 working copies
+    optimizer: float  # bytes, Adam moments after ZeRO-1 sharding
+    activations: float  # bytes at the simulated peak
+    peak_units: float  # simulator's peak, in one stage's activations of one micro-batch
+    inter_node: tuple[float, float]  # dispatch bytes per step, (BF16 dispatch, FP8 dispatch)
+    intra_node: tuple[float, float]
+
+    @property
+    def params(self) -> int:
+        return self.dense_params + self.expert_params
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    config: Config
+    nodes: int
+    gpus_per_node: int
+    microbatches: int
+    stages: list[Stage]
+    timeline: Timeline
+    ranks: list[RankPlan]
+    recompute: str
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.config.parallel.pp
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble / self.timeline.makespan
+
+
+def _layout_problems(config: Config, nodes: int, gpus_per_node: int) -> list[tuple[str, str]]:
+    p = config.parallel
+    problems = []
+    for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if value < 1:
+            problems.append((key, f"must be >= 1, got {value}"))
+    if problems:
+        return problems
+    for key, value in (("parallel.gpus_per_node", p.gpus_per_node), ("parallel.nproc_per_node", p.nproc_per_node)):
+        if value is not None and value != gpus_per_node:
+            problems.append((key, f"{value} does not match the cluster's {gpus_per_node} GPUs per node"))
+    return problems or layout_errors(config, nodes, gpus_per_node)
+
+
+def _schedule(config: Config, dp: int) -> Schedule:
+    p, t = config.parallel, config.train
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.pp == 1:
+        return build("1f1b", 1, microbatches)
+    try:
+        return build(p.schedule, p.pp, microbatches, p.virtual_stages if p.virtual_stages > 1 else None)
+    except ValueError as err:
+        raise ConfigError([("parallel.schedule", f"{p.schedule} over pp={p.pp} with {microbatches} micro-batches "
+                                                 f"per step (global batch / (micro-batch x dp={dp})): {err}")]) from None
+
+
+def _stage_activation_bytes(config: Config, stage: Stage, recompute: str) -> tuple[float, float]:
+    """(bytes kept per micro-batch until its backward, working bytes while one backward runs)."""
+    a, t = config.model, config.train
+    tokens = t.micro_batch_size * t.seq_length
+    element = 2 if t.precision == "bf16" else 4
+    if recompute == "none":
+        return stage.activations_per_token * tokens * element, 0.0
+    kept = (len(stage.layers) + 1 + stage.head) * a.hidden_size * tokens * 4
+    parts = [layer_activation_elements(a, a.is_moe_layer(i)) for i in stage.layers]
+    if stage.head:
+        parts.append(head_activation_elements(a))
+    return kept, max(parts, default=0) * tokens * element
+
+
+def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], mem_b: float) -> float:
+    """The simulator's memory walk (Costs.memory) weighted by each stage's bytes."""
+    live = peak = 0.0
+    for action in program:
+        halves = action.halves()
+        for half in halves:
+            if half.kind is ActionKind.F:
+                live += per_stage[half.stage][0]
+        working = max((per_stage[h.stage][1] for h in halves if h.kind is not ActionKind.F), default=0.0)
+        peak = max(peak, live + working)
+        for half in halves:
+            kept = per_stage[half.stage][0]
+            live -= {ActionKind.B: mem_b * kept, ActionKind.W: (1 - mem_b) * kept,
+                     ActionKind.BW: kept}.get(half.kind, 0.0)
+    return peak
+
+
+def make_plan(config: Config, nodes: int, gpus_per_node: int, recompute: str = "none") -> ClusterPlan:
+    """The per-rank plan; raises ConfigError listing every layout problem."""
+    problems = _layout_problems(config, nodes, gpus_per_node)
+    if problems:
+        raise ConfigError(problems, f"{nodes} node(s) x {gpus_per_node} GPU(s)")
+    p, t, a = config.parallel, config.train, config.model
+    world = nodes * gpus_per_node
+    dp = world // p.pp
+    schedule = _schedule(config, dp)
+    try:
+        stages = build_stages(a, schedule.num_stages)
+    except ValueError as err:
+        raise ConfigError([("parallel.pp", str(err))]) from None
+    timeline = simulate(schedule)
+    per_stage = {s.index: _stage_activation_bytes(config, s, recompute) for s in stages}
+    tokens = t.micro_batch_size * t.seq_length
+    traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
+    working_copy = 2 if t.precision == "bf16" else 0
+    dense_shards, expert_shards = (dp, dp // p.ep) if p.zero1 else (1, 1)
+    ranks = []
+    for rank, program in enumerate(schedule.programs):
+        on_rank = schedule.placement.stages_on(rank)
+        dense = sum(stages[s].dense_params for s in on_rank)
+        if a.mtp_num_layers and stages[-1].index in on_rank and 0 not in on_rank:
+            dense += embedding_parameters(a)  # MTP embeds the next tokens on the last stage
+        expert = sum(stages[s].expert_params for s in on_rank) // p.ep
+        moe_tokens = sum(tokens * stages[half.stage].moe_layers
+                         for action in program for half in action.halves() if half.kind is ActionKind.F)
+        ranks.append(RankPlan(
+            pp_rank=rank, stages=on_rank, dense_params=dense, expert_params=expert,
+            weights=(8 + working_copy) * (dense + expert),
+            optimizer=8 * (dense / dense_shards + expert / expert_shards),
+            activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b),
+            peak_units=timeline.peak_activations[rank],
+            inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
+            intra_node=tuple(moe_tokens * x.intra_node for x in traffic)))
+    return ClusterPlan(config, nodes, gpus_per_node, schedule.num_microbatches, stages, timeline, ranks, recompute)
+
+
+def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -> list[tuple[str, str]]:
+    """One problem per distinct overflow, naming the pipeline ranks and their largest memory part."""
+    overflows: dict[tuple[float, str, float], list[int]] = {}
+    for rank in plan.ranks:
+        need = rank.total / GIB + reserve_gib
+        if need > gpu_memory_gib:
+            part, size = max(("parameters + gradients", rank.weights), ("optimizer state", rank.optimizer),
+                             ("activations", rank.activations), key=lambda item: item[1])
+            overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
+    problems = []
+    for (need, part, size), ranks in overflows.items():
+        hint = ("try --recompute full, a smaller train.micro_batch_size or train.seq_length"
+                if part == "activations" else "try more pipeline stages or a larger parallel.ep")
+        problems.append(("--gpu-memory-gib", f"pp rank(s) {','.join(map(str, ranks))} need {need:.1f} GiB "
+                                             f"> {gpu_memory_gib:g} GiB; largest part: {part} {size:.1f} GiB ({hint})"))
+    return problems
+
+
+def format_plan(plan: ClusterPlan) -> str:
+    cfg, p, t = plan.config, plan.config.parallel, plan.config.train
+    counts = count_parameters(cfg.model)
+    ep_nodes = max(1, p.ep // plan.gpus_per_node)
+    routing = expected_routing(cfg.model, p.ep, plan.gpus_per_node)
+    schedule = plan.timeline.schedule
+    lines = [
+        f"cluster: {plan.nodes} node(s) x {plan.gpus_per_node} GPU(s) = {plan.world} ranks",
+        f"layout: pp {p.pp} x dp {plan.dp}; ep {p.ep} ({ep_nodes} node(s) per EP group), expert-dp {plan.dp // p.ep}; "
+        f"ZeRO-1 {'on' if p.zero1 else 'off'}",
+        f"batch: {t.global_batch_size} x {t.seq_length} tokens per step = {plan.microbatches} micro-batches of "
+        f"{t.micro_batch_size} per pipeline; precision {t.precision}",
+        f"model: {counts.total_with_mtp / 1e9:.1f} B parameters ({counts.total / 1e9:.1f} B + MTP "
+        f"{counts.mtp_total / 1e9:.1f} B); {len(plan.stages)} stages: "
+        + ", ".join(f"{s.index}:{_stage_label(s)}" for s in plan.stages),
+        f"schedule: {schedule.name}, {schedule.num_stages} stages on {schedule.num_ranks} ranks; simulated bubble "
+        f"{plan.timeline.bubble:g} of {plan.timeline.makespan:g} stage-times = {100 * plan.bubble_fraction:.1f}% "
+        f"(F = B = W per stage)",
+        f"activations: {'full recomputation assumed (the trainer does not recompute yet)' if plan.recompute == 'full' else 'no recomputation'}",
+        "",
+        f"{'pp':>3} {'stages':>7} {'params':>9} {'experts':>9} {'weights+grads':>14} {'adam':>8} "
+        f"{'activations':>12} {'peak mb':>8} {'total':>9}",
+    ]
+    for r in plan.ranks:
+        lines.append(f"{r.pp_rank:>3} {','.join(map(str, r.stages)):>7} {r.params / 1e9:>8.2f}B "
+                     f"{r.expert_params / 1e9:>8.2f}B {r.weights / GIB:>10.1f} GiB {r.optimizer / GIB:>4.1f} GiB "
+                     f"{r.activations / GIB:>8.1f} GiB {r.peak_units:>8g} {r.total / GIB:>5.1f} GiB")
+    busiest = max(plan.ranks, key=lambda r: r.inter_node[0])
+    lines += [
+        "",
+        f"dispatch per token and MoE layer: {routing.remote_nodes:.2f} remote nodes, {routing.intra_rows:.2f} "
+        f"intra-node copies (top-{cfg.model.moe_router_topk}, {cfg.model.moe_router_group_topk} of "
+        f"{cfg.model.moe_router_num_groups} groups, hidden {cfg.model.hidden_size})",
+        f"dispatch + combine per step, forward + backward, busiest rank (pp {busiest.pp_rank}): "
+        f"inter-node {busiest.inter_node[0] / GIB:.1f} GiB, intra-node {busiest.intra_node[0] / GIB:.1f} GiB "
+        f"(BF16 dispatch); {busiest.inter_node[1] / GIB:.1f} / {busiest.intra_node[1] / GIB:.1f} GiB (FP8 dispatch)",
+    ]
+    return "\n".join(lines)
+
+
+def _stage_label(stage: Stage) -> str:
+    parts = ["E"] * stage.embedding
+    if stage.layers:
+        parts.append(f"L{stage.layers.start}-{stage.layers.stop - 1}")
+    if stage.head:
+        parts.append("head+MTP")
+    return "+".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_train.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="fail if a rank needs more")
+    parser.add_argument("--reserve-gib", type=float, default=4.0,
+                        help="per GPU, for the CUDA context, communication buffers and fragmentation (default 4)")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        plan = make_plan(config, args.nodes, args.gpus_per_node, args.recompute)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    if args.gpu_memory_gib is None:
+        return 0
+    problems = fit_problems(plan, args.gpu_memory_gib, args.reserve_gib)
+    if problems:
+        print(f"error: {ConfigError(problems, args.config)}", file=sys.stderr)
+        return 2
+    need = max(r.total for r in plan.ranks) / GIB + args.reserve_gib
+    print(f"fits: at most {need:.1f} GiB per GPU (including {args.reserve_gib:g} GiB reserve) of {args.gpu_memory_gib:g} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
