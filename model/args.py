@@ -10,6 +10,7 @@ from typing import Optional
 
 ROPE_TYPES = ("rope", "yarn")
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
+RECOMPUTE_GRANULARITIES = (None, "full")
 
 
 @dataclass
@@ -49,6 +50,7 @@ class ModelArgs:
     norm_epsilon: float = 1e-6
     vocab_size: int = 1024
     init_method_std: float = 0.02
+    recompute_granularity: Optional[str] = None  # "full": recompute every decoder layer in backward
 
     @property
     def qk_full_head_dim(self) -> int:
@@ -91,6 +93,9 @@ class ModelArgs:
                              f"must be one of {SCORE_FUNCTIONS}, got {self.moe_router_score_function!r}"))
         if self.norm_epsilon <= 0:
             problems.append(("norm_epsilon", "must be positive"))
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            problems.append(("recompute_granularity",
+                             f"must be null or 'full', got {self.recompute_granularity!r}"))
         if self.init_method_std <= 0:
             problems.append(("init_method_std", "must be positive"))
         problems.extend(self._router_problems())

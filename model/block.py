@@ -1,8 +1,15 @@
-"""One pre-norm decoder layer: h + MLA(norm(h)), then h + FFN(norm(h)) with a dense or MoE FFN."""
+"""One pre-norm decoder layer: h + MLA(norm(h)), then h + FFN(norm(h)) with a dense or MoE FFN.
+
+With `recompute_granularity: full` the layer keeps only its input for backward and runs its
+forward again there (torch.utils.checkpoint, non-reentrant). The replay routes identically, so
+the balance-loss gradient is injected once and expert loads are counted twice for every expert
+alike, which changes neither the sign-based bias update nor the max/mean load ratio.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
 from model.attention import MLA
@@ -14,6 +21,7 @@ from model.moe import MoE
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, moe: bool, dispatcher: Dispatcher | None = None) -> None:
         super().__init__()
+        self.recompute = args.recompute_granularity == "full"
         self.input_layernorm = RMSNorm(args.hidden_size, args.norm_epsilon)
         self.self_attn = MLA(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.norm_epsilon)
@@ -23,5 +31,10 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(args.hidden_size, args.ffn_hidden_size, args.init_method_std)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, h, cos, sin, use_reentrant=False)
+        return self._forward(h, cos, sin)
+
+    def _forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))

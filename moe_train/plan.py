@@ -1,7 +1,7 @@
 """Check a run's parallel layout and memory for a cluster before anything starts.
 
     python -m moe_train.plan --config FILE [--set section.key=value ...] --nodes N --gpus-per-node G
-        [--gpu-memory-gib M] [--reserve-gib R] [--recompute {none,full}]
+        [--gpu-memory-gib M] [--reserve-gib R]
 
 Validates the config and the layout (parallel.topology.layout_problems, the launcher's batch
 check, the pipeline schedule's requirements), then prints per pipeline rank: parameters (stage
@@ -13,9 +13,8 @@ Memory per rank, as the trainer keeps it: fp32 parameters (they are the master w
 gradients, with bf16 the autocast copies of the weights (2 B each), Adam's two fp32 moments
 (ZeRO-1: dense ones sharded over dp, expert ones over expert-dp), activations in the compute dtype,
 and --reserve-gib for the CUDA context, communication buffers and allocator fragmentation.
---recompute full is a planning assumption for a trainer that recomputes each decoder layer in
-backward (it stores the fp32 layer inputs plus one layer's activations at a time); the trainer
-does not do that yet. Exit 2 with every problem named by its config key when the layout cannot
+With model.recompute_granularity: full the trainer recomputes each decoder layer in backward, so
+a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with every problem named by its config key when the layout cannot
 work, or when --gpu-memory-gib is given and a rank does not fit.
 """
 from __future__ import annotations
@@ -35,7 +34,6 @@ from parallel.pipeline.ir import ActionKind, Schedule
 from parallel.pipeline.timeline import Timeline, simulate
 
 GIB = 2 ** 30
-RECOMPUTE = ("none", "full")
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,7 @@ def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], m
     return peak
 
 
-def make_plan(config: Config, nodes: int, gpus_per_node: int, recompute: str = "none") -> ClusterPlan:
+def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     """The per-rank plan; raises ConfigError listing every layout problem."""
     problems = _layout_problems(config, nodes, gpus_per_node)
     if problems:
@@ -157,6 +155,7 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int, recompute: str = "
     except ValueError as err:
         raise ConfigError([("parallel.pp", str(err))]) from None
     timeline = simulate(schedule)
+    recompute = config.model.recompute_granularity or "none"
     per_stage = {s.index: _stage_activation_bytes(config, s, recompute) for s in stages}
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
@@ -193,7 +192,7 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
             overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
     problems = []
     for (need, part, size), ranks in overflows.items():
-        hint = ("try --recompute full, a smaller train.micro_batch_size or train.seq_length"
+        hint = ("try model.recompute_granularity=full, a smaller train.micro_batch_size or train.seq_length"
                 if part == "activations" else "try more pipeline stages or a larger parallel.ep")
         problems.append(("--gpu-memory-gib", f"pp rank(s) {','.join(map(str, ranks))} need {need:.1f} GiB "
                                              f"> {gpu_memory_gib:g} GiB; largest part: {part} {size:.1f} GiB ({hint})"))
@@ -218,7 +217,7 @@ def format_plan(plan: ClusterPlan) -> str:
         f"schedule: {schedule.name}, {schedule.num_stages} stages on {schedule.num_ranks} ranks; simulated bubble "
         f"{plan.timeline.bubble:g} of {plan.timeline.makespan:g} stage-times = {100 * plan.bubble_fraction:.1f}% "
         f"(F = B = W per stage)",
-        f"activations: {'full recomputation assumed (the trainer does not recompute yet)' if plan.recompute == 'full' else 'no recomputation'}",
+        f"activations: {'every decoder layer recomputed in backward' if plan.recompute == 'full' else 'no recomputation'}",
         "",
         f"{'pp':>3} {'stages':>7} {'params':>9} {'experts':>9} {'weights+grads':>14} {'adam':>8} "
         f"{'activations':>12} {'peak mb':>8} {'total':>9}",
@@ -258,11 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="fail if a rank needs more")
     parser.add_argument("--reserve-gib", type=float, default=4.0,
                         help="per GPU, for the CUDA context, communication buffers and fragmentation (default 4)")
-    parser.add_argument("--recompute", choices=RECOMPUTE, default="none")
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        plan = make_plan(config, args.nodes, args.gpus_per_node, args.recompute)
+        plan = make_plan(config, args.nodes, args.gpus_per_node)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

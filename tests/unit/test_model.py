@@ -178,3 +178,19 @@ def test_initialization_does_not_depend_on_the_expert_layout():
     other = DeepSeekV3(TINY)
     initialize_parameters(other, 8, 0.02)
     assert not torch.equal(other.lm_head.weight, full.lm_head.weight)
+
+
+def test_full_recompute_gives_the_same_loss_and_gradients():
+    torch.manual_seed(9)
+    plain = DeepSeekV3(TINY).train()
+    again = DeepSeekV3(dataclasses.replace(TINY, recompute_granularity="full")).train()
+    again.load_state_dict(plain.state_dict())
+    inputs, labels = batch(TINY, seed=11)
+    out_plain, out_again = plain(inputs, labels), again(inputs, labels)
+    out_plain.loss.backward()
+    out_again.loss.backward()
+    assert out_again.loss.item() == pytest.approx(out_plain.loss.item(), rel=1e-6)
+    for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+    for r_plain, r_again in zip(plain.routers(), again.routers()):
+        assert torch.equal(r_again.expert_load, 2 * r_plain.expert_load)  # the replay counts again
