@@ -1,6 +1,9 @@
 """DeepSeekMoE block: router, routed experts as grouped GEMMs, shared experts, dispatcher hook."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,9 +34,15 @@ class AuxLossGradient(torch.autograd.Function):
         return grad_x, torch.full_like(aux_loss, AuxLossGradient.scale)
 
 
-def set_aux_loss_grad_scale(scale: float) -> None:
-    """Set the gradient given to every balance loss (the main loss's micro-batch scale)."""
-    AuxLossGradient.scale = scale
+@contextlib.contextmanager
+def aux_loss_grad_scale(scale: float) -> Iterator[None]:
+    """Within the block, backward gives every balance loss the gradient `scale` (the factor the
+    main loss is multiplied by, 1 / micro-batches); the previous scale is restored after."""
+    previous, AuxLossGradient.scale = AuxLossGradient.scale, scale
+    try:
+        yield
+    finally:
+        AuxLossGradient.scale = previous
 
 
 class RoutedExperts(nn.Module):

@@ -72,12 +72,18 @@ class DeepSeekV3(nn.Module):
 
     def _mtp_loss(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not self.mtp:
-            return torch.zeros((), device=hidden.device)
-        losses = []
-        for depth, layer in enumerate(self.mtp, start=1):
-            next_embedding = self.embed_tokens(shift_left(input_ids, depth, fill=0))
-            hidden = layer(hidden, next_embedding, cos, sin)
-            logits = self.lm_head(layer.final_norm(hidden))
-            losses.append(token_cross_entropy(logits, shift_left(labels, depth, fill=IGNORE_INDEX)))
-        return torch.stack(losses).mean()
+        return mtp_loss(self.mtp, self.embed_tokens, self.lm_head, hidden, input_ids, labels, cos, sin)
+
+
+def mtp_loss(mtp: nn.ModuleList, embed_tokens: nn.Embedding, lm_head: Linear, hidden: torch.Tensor,
+             input_ids: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Mean over MTP depths of the cross-entropy; a function so a pipeline's last stage shares it."""
+    if not mtp:
+        return torch.zeros((), device=hidden.device)
+    losses = []
+    for depth, layer in enumerate(mtp, start=1):
+        next_embedding = embed_tokens(shift_left(input_ids, depth, fill=0))
+        hidden = layer(hidden, next_embedding, cos, sin)
+        logits = lm_head(layer.final_norm(hidden))
+        losses.append(token_cross_entropy(logits, shift_left(labels, depth, fill=IGNORE_INDEX)))
+    return torch.stack(losses).mean()

@@ -141,16 +141,17 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     weights_only: bool = False, restore_rng: bool = True,
-                    process_group: dist.ProcessGroup | None = None) -> dict:
+                    process_group: dist.ProcessGroup | None = None, partial: bool = False) -> dict:
     """Load a checkpoint folder into `model` (and `optimizer`) in place and return its `extra` dict.
 
     weights_only loads the model alone (fine-tuning): optimizer, RNG and `extra` are left out and
-    {} is returned. Shapes, data files, `extra` and RNG files are checked before any tensor is
+    {} is returned. `partial`: the model is one pipeline stage, so tensors of other stages in the
+    checkpoint are expected. Shapes, data files, `extra` and RNG files are checked before any tensor is
     overwritten, so a mismatching or damaged checkpoint leaves the model as it was.
     """
     path = Path(path)
     state = _full_state_dict(model, None if weights_only else optimizer)
-    read_back = _on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng),
+    read_back = _on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
                               process_group, f"loading {path}")
     _on_all_ranks(lambda: _quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
                                      process_group=process_group), process_group, f"loading {path}")
@@ -185,18 +186,18 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda_state, device)
 
 
-def model_mismatches(metadata: Metadata, model_state: dict[str, torch.Tensor]) -> list[str]:
+def model_mismatches(metadata: Metadata, model_state: dict[str, torch.Tensor], partial: bool = False) -> list[str]:
     """Every model tensor missing from, unexpected in or shaped differently in the checkpoint.
 
     Per-expert keys the checkpoint has but this rank does not hold are not "unexpected": under
     expert parallelism they belong to other ranks (an expert-count change shows as a router shape
-    mismatch instead). Per-expert problems are listed once per tensor with the expert ids.
+    mismatch instead). With `partial` (a pipeline stage) no saved key is unexpected. Per-expert problems are listed once per tensor with the expert ids.
     """
     saved = _saved_shapes(metadata, "model.")
     problems = [("missing in checkpoint", name, f"{list(tensor.shape)}")
                 for name, tensor in model_state.items() if name not in saved]
     problems += [("unexpected in checkpoint", name, f"{shape}") for name, shape in saved.items()
-                 if name not in model_state and not _EXPERT_KEY.fullmatch(name)]
+                 if name not in model_state and not _EXPERT_KEY.fullmatch(name) and not partial]
     problems += [("shape mismatch", name, f"checkpoint {saved[name]} vs model {list(tensor.shape)}")
                  for name, tensor in model_state.items() if name in saved and saved[name] != list(tensor.shape)]
     return _group_experts(problems)
@@ -389,12 +390,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool,
-                    restore_rng: bool) -> tuple[dict, dict | None] | None:
+def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool, restore_rng: bool,
+                    partial: bool) -> tuple[dict, dict | None] | None:
     """Validate the folder against `state`; return (extra, this rank's RNG state) unless weights_only."""
     metadata = read_metadata(path)
     _check_storage_files(path, metadata)
-    problems = model_mismatches(metadata, state["model"])
+    problems = model_mismatches(metadata, state["model"], partial)
     if "optim" in state:
         problems += _optimizer_mismatches(metadata, state["optim"])
     if problems:

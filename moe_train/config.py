@@ -46,6 +46,8 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipe, dualpipev
     virtual_stages: int = 1
     pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
+    first_stage_layers: Optional[int] = None  # without a layout: decoder layers on the first stage
+    last_stage_layers: Optional[int] = None  # without a layout: decoder layers on the last stage
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
 
 

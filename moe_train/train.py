@@ -1,8 +1,9 @@
 """The training loop: `python -m moe_train.train --config FILE [--set section.key=value ...]`.
 
-Single-process today, written so data/expert/pipeline parallelism plug in without a rewrite:
-losses are averaged over the global batch, the data order depends only on the seed, and the
-router bias update uses expert loads of the whole global batch.
+One process, or data x expert parallel, or pipeline parallel on top (pp > 1: every step runs
+through `parallel.pipeline`'s runtime with the configured schedule). In every layout losses are
+averaged over the global batch, the data order depends only on the seed, and the router bias
+update uses expert loads of the whole global batch.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from model.flops import training_flops_per_token
 from model.init import initialize_parameters
-from model.moe import set_aux_loss_grad_scale
+from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
 from moe_train.config import Config, ConfigError, load_config, to_yaml
@@ -30,6 +31,9 @@ from moe_train.runtime import autocast, configure_threads, seed_everything, sele
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
+from parallel.pipeline.ir import LoweredSchedule
+from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
+from parallel.pipeline.stage import StageSpec
 from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
 
 EXIT_BAD_INPUT = 2
@@ -61,9 +65,10 @@ def start_distributed(config: Config) -> Topology | None:
             raise ConfigError([("parallel", f"ep={config.parallel.ep} x pp={config.parallel.pp} needs several "
                                             "processes; launch with NPROC_PER_NODE or under Slurm")])
         return None
-    if config.parallel.pp > 1:
-        raise ConfigError([("parallel.pp", "the pipeline runtime is not available yet; use pp=1")])
     p, t = config.parallel, config.train
+    if p.pp > 1 and t.eval_interval:
+        raise ConfigError([("train.eval_interval", "validation through the pipeline is not available yet; "
+                                                   "use 0 with pp > 1")])
     try:
         topology = init_distributed(p.pp, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
                                     num_experts=config.model.num_moe_experts)
@@ -73,7 +78,22 @@ def start_distributed(config: Config) -> Topology | None:
         raise ConfigError([("train.global_batch_size",
                             f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size} "
                             f"x dp={topology.dp} ({topology.world_size} processes / pp {p.pp})")])
+    if p.pp > 1:
+        plan_pipeline(config, topology.dp)
     return topology
+
+
+def plan_pipeline(config: Config, dp: int) -> tuple[LoweredSchedule, list[StageSpec]]:
+    """The schedule for this step's micro-batches (global batch / (micro batch x dp)) and the stage cut."""
+    p, t = config.parallel, config.train
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    try:
+        return pipeline_plan(config.model, p.pp, p.schedule, microbatches,
+                             p.virtual_stages if p.virtual_stages > 1 else None, p.pipeline_layout,
+                             p.first_stage_layers, p.last_stage_layers)
+    except ValueError as err:
+        raise ConfigError([("parallel", f"schedule {p.schedule} on pp={p.pp} with {microbatches} micro-batches "
+                                        f"per step: {err}")]) from None
 
 
 class Trainer:
@@ -92,11 +112,20 @@ class Trainer:
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
         dispatcher = make_dispatcher(choose_dispatcher(config, topology), topology, config.model.num_moe_experts)
-        self.model = DeepSeekV3(config.model, dispatcher)
+        self.pipeline: ModelPipeline | None = None
+        if topology is not None and topology.pp > 1:
+            lowered, specs = plan_pipeline(config, topology.dp)
+            self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
+                                          config.train.seq_length, dispatcher, config.parallel.timeout_s,
+                                          forward_context=lambda: autocast(self.device, config.train.precision))
+            self.model = self.pipeline.model
+        else:
+            self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
         self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None)
-        self.grads = GradientSync(self.model, topology)
+        self.grads = GradientSync(self.model, topology,
+                                  () if self.pipeline is None else self.pipeline.replicas.norm_duplicates)
         dp_size, dp_rank = (1, 0) if topology is None else (topology.dp, topology.dp_rank)
         self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size,
                                     dp_size, dp_rank)
@@ -117,7 +146,7 @@ class Trainer:
         if path is None:
             return
         extra = load_checkpoint(path, self.model, None if ckpt.weights_only else self.optimizer,
-                                weights_only=ckpt.weights_only)
+                                weights_only=ckpt.weights_only, partial=self.pipeline is not None)
         if not ckpt.weights_only:
             self.step = extra["step"]
             self.sampler.load_state_dict(extra["data"])
@@ -133,18 +162,33 @@ class Trainer:
 
     def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, float]:
         """Backward of this rank's mean loss; returns the global-batch mean of each loss part."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(micro_batches, mtp_scale)
         parts = ("loss", *LOSS_PARTS)
         sums = torch.zeros(len(parts), dtype=torch.float64)
         scale = 1.0 / len(micro_batches)
-        set_aux_loss_grad_scale(scale)
         for rows in micro_batches:
             rows = rows.to(self.device, non_blocking=True)
             with autocast(self.device, self.cfg.train.precision):
                 out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale)
-            (out.loss * scale).backward()
+            with aux_loss_grad_scale(scale):
+                (out.loss * scale).backward()
             sums += torch.tensor([getattr(out, part).item() for part in parts], dtype=torch.float64) * scale
         dp = 1 if self.topology is None else self.topology.dp
         return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).tolist()))
+
+    def _pipeline_forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, float]:
+        """The same through the pipeline runtime; loss parts come from the stages that compute them."""
+        assert self.pipeline is not None and self.topology is not None
+        scale = 1.0 / len(micro_batches)
+        self.pipeline.model.mtp_loss_scale = mtp_scale
+        batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
+        with aux_loss_grad_scale(scale):
+            sums = self.pipeline.step(batches, scale)
+        dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica
+        lm_loss, mtp_loss, aux_loss = (sums / self.topology.dp).tolist()
+        return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
+                "aux_loss": aux_loss}
 
     def _check_finite(self, losses: dict[str, float]) -> None:
         for part in ("loss", *LOSS_PARTS):
@@ -155,13 +199,20 @@ class Trainer:
     def _update_router_biases(self, rate: float) -> float:
         """Bias update from the global batch's expert loads; returns the worst max/mean load ratio."""
         routers = self.model.routers()
-        if not routers:
-            return 1.0
-        loads = self.grads.sum_over_dp(torch.stack([r.expert_load for r in routers]))
-        for router, load in zip(routers, loads):
-            router.apply_bias_update(load, rate)
-            router.expert_load.zero_()
-        return (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max().item()
+        ratio = 1.0
+        if routers:
+            loads = self.grads.sum_over_dp(torch.stack([r.expert_load for r in routers]))
+            if self.pipeline is not None:
+                self.pipeline.replicas.sum_loads(loads)
+            for router, load in zip(routers, loads):
+                router.apply_bias_update(load, rate)
+                router.expert_load.zero_()
+            ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max().item()
+        if self.pipeline is not None:
+            worst = torch.tensor(ratio, device=self.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            ratio = worst.item()
+        return ratio
 
     def compute_gradients(self) -> dict[str, float]:
         """Forward and backward of the next global batch, gradients reduced over data parallelism."""
@@ -277,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return trainer.train()
     finally:
+        if trainer.pipeline is not None:
+            trainer.pipeline.destroy()
         if topology is not None:
             topology.destroy_groups()
             dist.destroy_process_group()

@@ -8,6 +8,8 @@ Without a topology (one process) every operation is the identity.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,8 +38,11 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup, scal
 class GradientSync:
     """Gradient reduction, global gradient norm/clipping and expert-load reduction for one model."""
 
-    def __init__(self, model: nn.Module, topology: Topology | None) -> None:
+    def __init__(self, model: nn.Module, topology: Topology | None,
+                 norm_duplicates: Iterable[nn.Parameter] = ()) -> None:
+        """`norm_duplicates`: parameters another pipeline rank also holds and counts in the norm."""
         self.topology = topology
+        self.norm_duplicates = {id(p) for p in norm_duplicates}
         self.dense, self.expert = [], []
         for name, param in model.named_parameters():
             (self.expert if is_expert_parameter(name) else self.dense).append(param)
@@ -57,9 +62,9 @@ class GradientSync:
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm of the full model's reduced gradient, each replicated tensor counted once."""
-        dense = [p.grad for p in self.dense if p.grad is not None]
-        expert = [p.grad for p in self.expert if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=(dense + expert)[0].device)
+        dense = [p.grad for p in self.dense if p.grad is not None and id(p) not in self.norm_duplicates]
+        expert = [p.grad for p in self.expert if p.grad is not None and id(p) not in self.norm_duplicates]
+        squares = torch.zeros((), dtype=torch.float32, device=(self.dense + self.expert)[0].device)
         topo = self.topology
         if topo is None or topo.dp_rank == 0:
             squares = squares + sum(g.float().pow(2).sum() for g in dense)

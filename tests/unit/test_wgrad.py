@@ -6,7 +6,7 @@ import torch
 
 from model.args import ModelArgs
 from model.layers import GEMM_OPS, GemmOps, GroupedLinear, Linear
-from model.moe import set_aux_loss_grad_scale
+from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3, token_cross_entropy
 from parallel.pipeline.ir import ActionKind, ScheduleError
 from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
@@ -26,9 +26,8 @@ def models():
 
 @pytest.fixture(autouse=True)
 def aux_scale():
-    set_aux_loss_grad_scale(1.0 / MICROBATCHES)
-    yield
-    set_aux_loss_grad_scale(1.0)
+    with aux_loss_grad_scale(1.0 / MICROBATCHES):
+        yield
 
 
 def micro_batches(seed, b=2, t=16):

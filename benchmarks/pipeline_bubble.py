@@ -1,0 +1,141 @@
+"""Measured pipeline bubble of the real runtime against the simulator's prediction.
+
+    python -m benchmarks.pipeline_bubble [--ranks 4] [--microbatches 8] [--unit-ms 40]
+        [--schedules 1f1b,zb-h1,...] [--cost-f 1 --cost-b 1 --cost-w 1]
+
+Every schedule runs on `--ranks` gloo processes with synthetic stages whose F, B and W sleep for
+calibrated times (cost x unit), so the processes need no CPU while "computing" and 2 cores are
+enough. Each rank times its step, and the runtime its compute actions (busy, framework overhead
+included); bubble = max over ranks of (makespan - busy), the simulator's definition, printed in
+units next to the simulated bubble for the same costs.
+Peak live activations per rank (micro-batches whose F ran and whose W or BW has not) are printed
+against the simulator's peak. DualPipe(V) get twice the micro-batches (they need >= 2 x ranks).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallel.pipeline import SCHEDULES, Costs, plan
+from parallel.pipeline.runtime import PipelineRuntime
+from parallel.pipeline.timeline import simulate
+from parallel.pipeline.wgrad import WeightGradStore
+
+SHAPE = (4,)
+
+
+class Clock:
+    """Sleeps for a cost in units."""
+
+    def __init__(self, unit_s: float) -> None:
+        self.unit_s = unit_s
+
+    def work(self, cost: float) -> None:
+        time.sleep(cost * self.unit_s)
+
+
+class _SleepFunction(torch.autograd.Function):
+    """Identity whose forward takes F, backward B, and whose queued weight-gradient work takes W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stage: "SleepStage") -> torch.Tensor:
+        ctx.stage = stage
+        stage.clock.work(stage.costs.f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        stage = ctx.stage
+        stage.clock.work(stage.costs.b)
+        stage.store.put(lambda: stage.clock.work(stage.costs.w))
+        return grad, None
+
+
+class SleepStage:
+    """A synthetic stage; the first one starts its graph from a parameter, the last returns a loss."""
+
+    def __init__(self, first: bool, last: bool, clock: Clock, costs: Costs, store: WeightGradStore) -> None:
+        self.first, self.last, self.clock, self.costs, self.store = first, last, clock, costs, store
+        self.weight = torch.nn.Parameter(torch.ones(SHAPE))
+
+    def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor:
+        out = _SleepFunction.apply(self.weight * 1.0 if self.first else x, self)
+        return out.sum() if self.last else out
+
+
+def _run_schedule(name: str, ranks: int, microbatches: int, costs: Costs, unit_s: float) -> dict:
+    rank = dist.get_rank()
+    lowered = plan(name, ranks, microbatches, costs=costs)
+    num_stages = lowered.schedule.num_stages
+    clock, store = Clock(unit_s), WeightGradStore()
+    stages = {s: SleepStage(s == 0, s == num_stages - 1, clock, costs, store)
+              for s in lowered.schedule.placement.stages_on(rank)}
+    runtime = PipelineRuntime(lowered, rank, stages, store, (SHAPE, torch.float32, torch.device("cpu")))
+    inputs = [None] * microbatches
+    runtime.step(inputs)
+    dist.barrier()
+    start = time.time()
+    runtime.step(inputs)
+    end = time.time()
+    spans = [None] * ranks
+    dist.all_gather_object(spans, (start, end, runtime.compute_s, runtime.peak_live))
+    makespan = max(s[1] for s in spans) - min(s[0] for s in spans)
+    timeline = simulate(lowered.schedule, costs)
+    return {
+        "schedule": name, "ranks": ranks, "stages": num_stages, "microbatches": microbatches,
+        "measured": max(makespan - s[2] for s in spans) / unit_s, "simulated": timeline.bubble,
+        "peak": [s[3] for s in spans], "simulated_peak": list(timeline.peak_activations),
+    }
+
+
+def _worker(rank: int, ranks: int, store_path: str, args: argparse.Namespace, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ranks,
+                            timeout=timedelta(seconds=120))
+    costs = Costs(args.cost_f, args.cost_b, args.cost_w)
+    try:
+        for name in args.schedules:
+            microbatches = args.microbatches * (2 if name.startswith("dualpipe") else 1)
+            result = _run_schedule(name, ranks, microbatches, costs, args.unit_ms / 1000)
+            if rank == 0:
+                queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_bubble", description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--unit-ms", type=float, default=100.0, help="wall time of one cost unit")
+    parser.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES))
+    parser.add_argument("--cost-f", type=float, default=1.0)
+    parser.add_argument("--cost-b", type=float, default=1.0)
+    parser.add_argument("--cost-w", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(args.ranks, os.path.join(tmp, "store"), args, queue), nprocs=args.ranks,
+                           start_method="spawn")
+    print(f"{'schedule':<17} {'ranks':>5} {'stages':>6} {'mb':>3} {'bubble sim':>10} {'measured':>9} {'error':>6}  "
+          f"peak activations per rank: measured / simulated")
+    while not queue.empty():
+        r = queue.get()
+        error = abs(r["measured"] - r["simulated"]) / r["simulated"] if r["simulated"] else float("nan")
+        peaks = " ".join(f"{m}/{s:g}" for m, s in zip(r["peak"], r["simulated_peak"]))
+        print(f"{r['schedule']:<17} {r['ranks']:>5} {r['stages']:>6} {r['microbatches']:>3} {r['simulated']:>10.2f} "
+              f"{r['measured']:>9.2f} {100 * error:>5.1f}%  {peaks}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""Pipeline stages of the DeepSeek-V3 model: which layers each stage runs, and its forward.
+
+A stage is a range of decoder layers; the first stage also runs the embedding, the last one the
+final norm, head, MTP and loss. The split comes from Megatron's layout string (`E` embedding,
+`t` decoder layer, `m` MTP layer, `L` norm + head + loss, `|` between stages, `(...)*n` and
+`x*n` repeat, `,` and spaces ignored; e.g. `Et|(tt|)*30mL`) or from first/last-stage layer
+counts with the remaining layers spread evenly.
+
+One `StageModel` per rank holds the parameters of all stages on that rank under their global
+names (`layers.2.*` stays `layers.2.*`), so initialisation, checkpoints and the gradient
+reduction see the same keys as the single-process model. Stages of one rank share its modules:
+with a V placement (zbv, dualpipev) the embedding and the MTP of the last stage are one tensor.
+
+Tied embedding: MTP depth k embeds token i+k, so the last stage needs the embedding. Where the
+last stage sits on another rank than the first, that rank keeps a replica, initialised
+identically, and its gradient is summed with the first stage's after the step (Megatron's
+tied-embedding group, `parallel.pipeline.replicas`); both replicas then take the same update.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from model.args import ModelArgs
+from model.block import DecoderLayer
+from model.dispatcher import Dispatcher
+from model.layers import Linear, RMSNorm
+from model.moe import MoE
+from model.mtp import MTPLayer
+from model.rope import RotaryEmbedding
+from model.router import Router
+from model.transformer import mtp_loss, token_cross_entropy
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What one stage runs: global decoder-layer ids, and the model ends it owns."""
+
+    layers: tuple[int, ...]
+    embedding: bool = False
+    mtp: int = 0
+    loss: bool = False
+
+    def __str__(self) -> str:
+        return ("E" if self.embedding else "") + "t" * len(self.layers) + "m" * self.mtp + ("L" if self.loss else "")
+
+
+def expand_layout(layout: str) -> str:
+    """The layout with every repetition written out: `E(t|)*2L` -> `Et|t|L`."""
+    text, end = _expand(layout.replace(",", "").replace(" ", ""), 0)
+    if end != len(layout.replace(",", "").replace(" ", "")):
+        raise ValueError(f"pipeline_layout: unbalanced ')' in {layout!r}")
+    return text
+
+
+def _expand(text: str, pos: int) -> tuple[str, int]:
+    out = []
+    while pos < len(text) and text[pos] != ")":
+        if text[pos] == "(":
+            unit, pos = _expand(text, pos + 1)
+            if pos >= len(text):
+                raise ValueError(f"pipeline_layout: missing ')' in {text!r}")
+            pos += 1
+        elif text[pos] in "Etm L|":
+            unit, pos = text[pos], pos + 1
+        else:
+            raise ValueError(f"pipeline_layout: unexpected {text[pos]!r} in {text!r} (use E, t, m, L, |, (), *n)")
+        if pos < len(text) and text[pos] == "*":
+            digits = pos + 1
+            while digits < len(text) and text[digits].isdigit():
+                digits += 1
+            if digits == pos + 1:
+                raise ValueError(f"pipeline_layout: '*' without a count in {text!r}")
+            unit, pos = unit * int(text[pos + 1:digits]), digits
+        out.append(unit)
+    return "".join(out), pos
+
+
+def parse_layout(layout: str, args: ModelArgs, num_stages: int) -> list[StageSpec]:
+    """Stages of a Megatron layout string, checked against the model and the stage count."""
+    stages = expand_layout(layout).split("|")
+    specs, next_layer = [], 0
+    for text in stages:
+        count = text.count("t")
+        specs.append(StageSpec(tuple(range(next_layer, next_layer + count)), embedding="E" in text,
+                               mtp=text.count("m"), loss="L" in text))
+        next_layer += count
+    problems = []
+    if len(specs) != num_stages:
+        problems.append(f"{len(specs)} stages, the schedule needs {num_stages}")
+    if next_layer != args.num_layers:
+        problems.append(f"{next_layer} 't' for num_layers={args.num_layers}")
+    if "".join(stages).count("E") != 1 or not stages[0].startswith("E"):
+        problems.append("exactly one 'E', at the start of the first stage")
+    if "".join(stages).count("L") != 1 or not stages[-1].endswith("L"):
+        problems.append("exactly one 'L', at the end of the last stage")
+    if sum(s.mtp for s in specs) != args.mtp_num_layers or specs[:-1] and any(s.mtp for s in specs[:-1]):
+        problems.append(f"{args.mtp_num_layers} 'm' (mtp_num_layers), all on the last stage")
+    if any(not text for text in stages):
+        problems.append("no empty stage")
+    if problems:
+        raise ValueError(f"pipeline_layout {layout!r}: needs " + "; ".join(problems))
+    return specs
+
+
+def even_stages(args: ModelArgs, num_stages: int, first: Optional[int] = None,
+                last: Optional[int] = None) -> list[StageSpec]:
+    """`first` layers on stage 0, `last` on the last stage, the rest evenly over the others."""
+    counts: list[Optional[int]] = [None] * num_stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    if num_stages == 1 and first is not None and last is not None and first != last:
+        raise ValueError("first and last stage layer counts differ but there is one stage")
+    rest = args.num_layers - sum(c for c in counts if c is not None)
+    free = counts.count(None)
+    if rest < 0 or (free == 0 and rest) or (free and rest % free):
+        raise ValueError(f"cannot split {args.num_layers} layers into {num_stages} stages "
+                         f"(first {first}, last {last}); give parallel.pipeline_layout")
+    counts = [rest // free if c is None else c for c in counts]
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [StageSpec(tuple(range(start, start + count)), embedding=i == 0,
+                      mtp=args.mtp_num_layers if i == num_stages - 1 else 0, loss=i == num_stages - 1)
+            for i, (start, count) in enumerate(zip(starts, counts))]
+
+
+def stage_specs(args: ModelArgs, num_stages: int, layout: Optional[str] = None, first: Optional[int] = None,
+                last: Optional[int] = None) -> list[StageSpec]:
+    """The model cut into `num_stages` stages: by layout string, else by layer counts."""
+    if layout is not None:
+        if first is not None or last is not None:
+            raise ValueError("give either a pipeline layout or first/last stage layer counts, not both")
+        return parse_layout(layout, args, num_stages)
+    return even_stages(args, num_stages, first, last)
+
+
+class StageModel(nn.Module):
+    """The parameters of the stages one rank runs, named as in `model.transformer.DeepSeekV3`."""
+
+    def __init__(self, args: ModelArgs, specs: Sequence[StageSpec], dispatcher: Dispatcher | None = None) -> None:
+        super().__init__()
+        self.args = args
+        self.mtp_loss_scale = args.mtp_loss_scaling_factor
+        has_loss = any(spec.loss for spec in specs)
+        if any(spec.embedding for spec in specs) or (has_loss and args.mtp_num_layers):
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, moe=args.is_moe_layer(i), dispatcher=dispatcher)
+                                     for spec in specs for i in spec.layers})
+        if has_loss:
+            self.norm = RMSNorm(args.hidden_size, args.norm_epsilon)
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, args.init_method_std)
+            self.mtp = nn.ModuleList(MTPLayer(args, dispatcher) for _ in range(args.mtp_num_layers))
+        self.rotary = RotaryEmbedding(args)
+
+    def moe_blocks(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def routers(self) -> list[Router]:
+        return [m.gate for m in self.moe_blocks()]
+
+
+class ModelStage:
+    """One stage's forward for the runtime; it records the loss parts of every micro-batch.
+
+    `inputs` of a micro-batch is `(input_ids, labels)`. A stage that is not the last returns its
+    hidden state; the last returns `lm_loss + mtp_loss_scale * mtp_loss` (balance losses reach
+    their gradients through `AuxLossGradient`, so they need no path to this loss).
+    """
+
+    def __init__(self, model: StageModel, spec: StageSpec) -> None:
+        self.model, self.spec = model, spec
+        self.layers = [model.layers[str(i)] for i in spec.layers]
+        self.moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
+        if spec.loss:
+            self.moe += [m for m in model.mtp.modules() if isinstance(m, MoE)]
+        self.parts: dict[int, torch.Tensor] = {}
+        self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+
+    @property
+    def is_first(self) -> bool:
+        return self.spec.embedding
+
+    @property
+    def is_last(self) -> bool:
+        return self.spec.loss
+
+    def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor:
+        input_ids, labels = inputs
+        model = self.model
+        with self.forward_context():
+            cos, sin = model.rotary(input_ids.shape[1], input_ids.device)
+            hidden = model.embed_tokens(input_ids) if self.is_first else x
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin)
+            if not self.is_last:
+                self._record(microbatch, hidden)
+                return hidden
+            lm_loss = token_cross_entropy(model.lm_head(model.norm(hidden)), labels)
+            mtp = mtp_loss(model.mtp, model.embed_tokens, model.lm_head, hidden, input_ids, labels, cos, sin)
+            self._record(microbatch, hidden, lm_loss, mtp)
+            return lm_loss + model.mtp_loss_scale * mtp
+
+    def _record(self, microbatch: int, hidden: torch.Tensor, lm_loss: Optional[torch.Tensor] = None,
+                mtp: Optional[torch.Tensor] = None) -> None:
+        zero = hidden.new_zeros((), dtype=torch.float64)
+        aux = sum((m.last_aux_loss.double() for m in self.moe), zero)
+        lm = zero if lm_loss is None else lm_loss.detach().double()
+        mtp = zero if mtp is None else mtp.detach().double()
+        self.parts[microbatch] = torch.stack([lm, mtp, aux])
+
+    def pop_parts(self) -> dict[int, torch.Tensor]:
+        """Per micro-batch [lm_loss, mtp_loss, aux_loss] (zeros where this stage has no such part)."""
+        parts, self.parts = self.parts, {}
+        return parts
+
+
+def build_stages(args: ModelArgs, specs: Sequence[StageSpec], stage_ids: Iterable[int],
+                 dispatcher: Dispatcher | None = None) -> tuple[StageModel, dict[int, ModelStage]]:
+    """This rank's `StageModel` and a `ModelStage` for each of its stage ids."""
+    stage_ids = sorted(stage_ids)
+    model = StageModel(args, [specs[s] for s in stage_ids], dispatcher)
+    return model, {s: ModelStage(model, specs[s]) for s in stage_ids}
