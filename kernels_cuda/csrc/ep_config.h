@@ -148,4 +148,46 @@ inline const char* validate_intranode(const IntranodeConfig& cfg, int num_ranks,
     return nullptr;
 }
 
+// Internode (two hops). Mirrored by kernels_cuda/internode_config.py; the conditions are the
+// two-hop protocol's deadlock-freedom conditions (kernels_cuda/protocol_model_internode.py):
+//  * a producer waits until a whole chunk fits: nvl_chunk <= nvl_capacity, and in combine the
+//    NVLink ring is split into one sub-ring per origin node: nvl_chunk <= nvl_capacity / nodes;
+//  * sender warps release records a round at a time (one token per warp), the coordinator puts whole
+//    chunks and RDMA heads are released lazily (a chunk at a time), so a blocked sender may face
+//    W - 1 unreleased, chunk - 1 unsent and chunk - 1 consumed-but-unreleased records:
+//    rdma_capacity >= kRdmaSenderWarps + 2 * rdma_chunk - 2;
+//  * RDMA puts never wrap: rdma_capacity % rdma_chunk == 0;
+//  * one lane per node / per GPU of a node.
+struct InternodeConfig {
+    int num_channels;
+    int nvl_chunk;
+    int nvl_capacity;
+    int rdma_chunk;
+    int rdma_capacity;
+};
+
+inline const char* validate_internode(const InternodeConfig& cfg, int num_nodes, int gpus_per_node, int hidden_bytes,
+                                      int num_topk, int num_local_experts) {
+    if (num_nodes < 2 || num_nodes > kMaxRdmaPeers) return "num_nodes must be in [2, kMaxRdmaPeers]";
+    if (gpus_per_node < 1 || gpus_per_node > kMaxNvlPeers) return "gpus_per_node must be in [1, kMaxNvlPeers]";
+    if (cfg.num_channels < 1 || cfg.num_channels > kMaxChannels) return "num_channels must be in [1, kMaxChannels]";
+    if (cfg.nvl_chunk < 1 || cfg.rdma_chunk < 1) return "chunks must be >= 1";
+    if (cfg.nvl_chunk > cfg.nvl_capacity)
+        return "nvl_chunk must not exceed nvl_capacity: a forwarder waits for room for a whole chunk";
+    if (cfg.nvl_capacity % num_nodes != 0)
+        return "nvl_capacity must be a multiple of num_nodes (combine splits the ring per origin node)";
+    if (cfg.nvl_chunk > cfg.nvl_capacity / num_nodes)
+        return "nvl_chunk must not exceed nvl_capacity / num_nodes: a combine NVLink sender waits for room for "
+               "a whole chunk in its origin node's sub-ring";
+    if (cfg.rdma_capacity % cfg.rdma_chunk != 0) return "rdma_capacity must be a multiple of rdma_chunk (RDMA puts never wrap)";
+    if (cfg.rdma_capacity < kRdmaSenderWarps + 2 * cfg.rdma_chunk - 2)
+        return "rdma_capacity must be >= kRdmaSenderWarps + 2 * rdma_chunk - 2: a blocked sender may face a round "
+               "of unreleased records, a chunk of unsent ones and a chunk of consumed but unreleased slots";
+    if (hidden_bytes <= 0 || hidden_bytes % 16 != 0) return "hidden bytes must be a positive multiple of 16";
+    if (num_topk < 1 || num_topk > kMaxTopk) return "num_topk must be in [1, kMaxTopk]";
+    if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
+        return "experts per rank must be in [1, kMaxLocalExperts]";
+    return nullptr;
+}
+
 }  // namespace ep

@@ -19,6 +19,11 @@ constexpr int kRecordAlign = 16;         // every ring record starts on a 16-byt
 constexpr int kBufferAlign = 128;        // every buffer region starts on a 128-byte boundary
 constexpr int kFp8BlockSize = 128;       // one float scale per 128 FP8 channels
 constexpr int kMaxChannels = 64;
+// Internode (node-limited, two hops: RDMA between same-GPU-index peers, then NVLink inside the node).
+constexpr int kMaxNvlPeers = 8;          // GPUs per node handled by the internode kernels
+constexpr int kMaxRdmaPeers = 16;        // nodes; one lane per node in every role
+constexpr int kRdmaSenderWarps = 7;      // dispatch: token-parallel RDMA sender warps (+1 coordinator)
+constexpr int kRdmaReceiverWarps = 8;    // combine: token-parallel RDMA receiver warps (+1 head coordinator)
 constexpr long long kDefaultTimeoutCycles = 200000000000LL;  // ~100 s at 2 GHz
 
 }  // namespace ep

@@ -4,7 +4,9 @@
 - `local`: one rank owns every expert, nothing moves (`model.dispatcher.LocalDispatcher`);
 - `alltoall`: one flat `all_to_all_single` over the EP group;
 - `hierarchical`: node-limited two hops (inter-node on the rail group, then intra-node fan-out);
-- `native` (our `kernels_cuda`) and `deepep` (the `deep_ep` package): clear errors until built.
+- `native`: our `kernels_cuda` buffer (`parallel.dispatch.native`); a clear error where it is not
+  built, or for an EP group that spans nodes (the internode kernels have no host runtime yet);
+- `deepep` (the `deep_ep` package): a clear error until wired.
 Communicating backends count the bytes they send per link in `dispatcher.traffic`.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, ExchangeDispatcher, Traffic
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
+from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
 from parallel.topology import Topology
 
 BACKENDS = ("local", "alltoall", "hierarchical", "native", "deepep")
@@ -32,13 +35,32 @@ class LocalBackend(LocalDispatcher):
         self.traffic = Traffic()
 
 
-def _check_native() -> None:
+def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool) -> NativeDispatcher:
+    import torch
+
     import kernels_cuda
+    from kernels_cuda import constants
 
     if not kernels_cuda.is_built():
         raise DispatcherUnavailable(f"dispatcher 'native': kernels_cuda is not built here: {kernels_cuda.build_status()}; "
                                     "use 'hierarchical' or 'alltoall'")
-    raise DispatcherUnavailable("dispatcher 'native': kernels_cuda is built but not wired into parallel.dispatch yet")
+    if not torch.cuda.is_available():
+        raise DispatcherUnavailable("dispatcher 'native' needs a CUDA device; use 'hierarchical' or 'alltoall'")
+    if isinstance(topology_or_comms, Topology):
+        group, ep, rank, per_node = (topology_or_comms.ep_group, topology_or_comms.ep, topology_or_comms.ep_rank,
+                                     topology_or_comms.ep_ranks_per_node)
+    elif isinstance(topology_or_comms, EPComms) and isinstance(topology_or_comms.ep, ProcessGroupComm):
+        comms = topology_or_comms
+        group, ep, rank, per_node = comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size
+    else:
+        raise ValueError("dispatcher 'native' needs a topology or EP communicators on torch.distributed groups")
+    if per_node != ep:
+        raise DispatcherUnavailable(f"dispatcher 'native': the EP group spans {ep // per_node} nodes, and the "
+                                    "internode kernels have no host runtime yet; use 'hierarchical'")
+    if constants.DISPATCH_WARPS % ep or constants.COMBINE_WARPS % ep:
+        raise DispatcherUnavailable(f"dispatcher 'native': the intranode kernels split their warps evenly over the "
+                                    f"ranks, which {ep} ranks cannot do; use 'alltoall'")
+    return NativeDispatcher(process_group_buffer_factory(group), num_experts, ep, rank, per_node, fp8)
 
 
 def _check_deepep() -> None:
@@ -57,7 +79,7 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
     if name not in BACKENDS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "native":
-        _check_native()
+        return _make_native(topology_or_comms, num_experts, fp8)
     if name == "deepep":
         _check_deepep()
     if name == "local":
@@ -78,6 +100,6 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
 
 __all__ = [
     "BACKENDS", "COMBINE", "DISPATCH", "INTER_NODE", "INTRA_NODE", "AllToAllDispatcher", "Comm",
-    "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend",
+    "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend", "NativeDispatcher",
     "ProcessGroupComm", "Traffic", "make_dispatcher",
 ]

@@ -108,3 +108,25 @@ def test_compile_check_compiles_every_kernel_for_sm90_without_spills():
                    "combine_kernel"):
         assert kernel in proc.stdout
     assert " 0 problems" in proc.stdout
+
+
+INTERNODE_GRID = list(itertools.product([1, 65], [0, 1, 6, 300], [4, 288, 290], [1, 16, 64], [7, 128, 130],
+                                        [1, 2, 4, 17], [1, 8, 9], [256, 100], [8], [1, 2000]))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
+def test_python_internode_config_mirror_matches_the_header(tmp_path):
+    from kernels_cuda.internode_config import validate_internode
+
+    probe = tmp_path / "probe"
+    src = build.CSRC / "host" / "internode_config_probe.cpp"
+    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(probe)], check=True)
+    lines = "\n".join(" ".join(map(str, case)) for case in INTERNODE_GRID)
+    out = subprocess.run([str(probe)], input=lines, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == len(INTERNODE_GRID)
+    verdicts = set()
+    for case, line in zip(INTERNODE_GRID, out):
+        problem = validate_internode(*case)
+        assert line == ("OK" if problem is None else f"ERR {problem}"), case
+        verdicts.add(line.split(":")[0])
+    assert "OK" in verdicts and len(verdicts) >= 8  # the grid reaches every rule

@@ -1,0 +1,78 @@
+"""Internode Config and its validation: a Python mirror of `validate_internode` in csrc/ep_config.h.
+
+The conditions are the two-hop protocol's deadlock-freedom conditions (see
+kernels_cuda/protocol_model_internode.py, whose tests show a violating config deadlocking):
+- a producer waits until a whole chunk fits: 1 <= nvl_chunk <= nvl_capacity, and in combine the
+  NVLink ring is split into one sub-ring per origin node, so nvl_chunk <= nvl_capacity / nodes;
+- the sender warps release their records a round at a time (one token per warp per round), the
+  coordinator puts whole chunks, and RDMA heads are released lazily (once they moved by a whole
+  chunk); a sender blocked on room may thus face up to W - 1 unreleased records of its round, one
+  chunk minus one released but unsent and one chunk minus one consumed but unreleased:
+  rdma_capacity >= W + 2 * rdma_chunk - 2 (W = kRdmaSenderWarps; the model found this condition);
+- RDMA puts never wrap around the ring: rdma_capacity % rdma_chunk == 0;
+- one lane per node and per GPU of a node: nodes <= kMaxRdmaPeers, GPUs per node <= kMaxNvlPeers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels_cuda import constants as C
+
+
+@dataclass(frozen=True)
+class InternodeConfig:
+    """SMs = 2 * channels; chunks and ring capacities in records, per (channel, producer, consumer)."""
+
+    num_sms: int = 20
+    nvl_chunk: int = 6
+    nvl_capacity: int = 288
+    rdma_chunk: int = 16
+    rdma_capacity: int = 128
+
+    @property
+    def num_channels(self) -> int:
+        return self.num_sms // 2
+
+    def validate(self, num_nodes: int, gpus_per_node: int, hidden_bytes: int, num_topk: int,
+                 num_local_experts: int) -> str | None:
+        return validate_internode(self.num_channels, self.nvl_chunk, self.nvl_capacity, self.rdma_chunk,
+                                  self.rdma_capacity, num_nodes, gpus_per_node, hidden_bytes, num_topk,
+                                  num_local_experts)
+
+
+def rdma_ring_is_safe(rdma_chunk: int, rdma_capacity: int, sender_warps: int = C.RDMA_SENDER_WARPS) -> bool:
+    """The round/lazy-head condition alone (the protocol model varies the number of sender warps)."""
+    return rdma_capacity >= sender_warps + 2 * rdma_chunk - 2
+
+
+def validate_internode(num_channels: int, nvl_chunk: int, nvl_capacity: int, rdma_chunk: int, rdma_capacity: int,
+                       num_nodes: int, gpus_per_node: int, hidden_bytes: int, num_topk: int,
+                       num_local_experts: int) -> str | None:
+    """None if the configuration is safe, else the reason (same text as the C++ validation)."""
+    if not 2 <= num_nodes <= C.MAX_RDMA_PEERS:
+        return "num_nodes must be in [2, kMaxRdmaPeers]"
+    if not 1 <= gpus_per_node <= C.MAX_NVL_PEERS:
+        return "gpus_per_node must be in [1, kMaxNvlPeers]"
+    if not 1 <= num_channels <= C.MAX_CHANNELS:
+        return "num_channels must be in [1, kMaxChannels]"
+    if nvl_chunk < 1 or rdma_chunk < 1:
+        return "chunks must be >= 1"
+    if nvl_chunk > nvl_capacity:
+        return "nvl_chunk must not exceed nvl_capacity: a forwarder waits for room for a whole chunk"
+    if nvl_capacity % num_nodes:
+        return "nvl_capacity must be a multiple of num_nodes (combine splits the ring per origin node)"
+    if nvl_chunk > nvl_capacity // num_nodes:
+        return ("nvl_chunk must not exceed nvl_capacity / num_nodes: a combine NVLink sender waits for room for "
+                "a whole chunk in its origin node's sub-ring")
+    if rdma_capacity % rdma_chunk:
+        return "rdma_capacity must be a multiple of rdma_chunk (RDMA puts never wrap)"
+    if not rdma_ring_is_safe(rdma_chunk, rdma_capacity):
+        return ("rdma_capacity must be >= kRdmaSenderWarps + 2 * rdma_chunk - 2: a blocked sender may face a round "
+                "of unreleased records, a chunk of unsent ones and a chunk of consumed but unreleased slots")
+    if hidden_bytes <= 0 or hidden_bytes % 16:
+        return "hidden bytes must be a positive multiple of 16"
+    if not 1 <= num_topk <= C.MAX_TOPK:
+        return "num_topk must be in [1, kMaxTopk]"
+    if not 1 <= num_local_experts <= C.MAX_LOCAL_EXPERTS:
+        return "experts per rank must be in [1, kMaxLocalExperts]"
+    return None

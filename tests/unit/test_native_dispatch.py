@@ -1,0 +1,271 @@
+"""The `native` dispatcher's wrapper on CPU: a pure-torch stand-in for `kernels_cuda.EmulatedGroup`
+(same list API, same numerics) behind `kernels_cuda.rank_views`, one thread per rank, compared with
+the `alltoall` backend: outputs, autograd (both gradients), handle reuse, byte counters, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels_cuda
+from kernels_cuda import Config, Handle
+from kernels_cuda.rank_views import rank_views
+from parallel import dispatch as pd
+from parallel.dispatch import AllToAllDispatcher, DispatcherUnavailable, EPComms, NativeDispatcher, make_dispatcher
+from parallel.dispatch.comm import ProcessGroupComm
+from parallel.dispatch.layout import compute_layout, to_local_expert_ids
+from parallel.dispatch.simulated import SimulatedEPGroup
+
+R, PER_NODE, E, N, H, K = 4, 2, 8, 12, 128, 3
+
+
+class TorchEmulatedGroup:
+    """`EmulatedGroup`'s list API in torch: rows by source rank then token, fp32 sums in rank order."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self.calls: list[str] = []
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        self.calls.append("layout")
+        out = []
+        for idx in topk_idx:
+            lay = compute_layout(idx, num_experts, self.num_ranks, self.num_ranks)
+            out.append((lay.num_tokens_per_rank.int(), lay.num_tokens_per_expert.int(), lay.is_token_in_rank))
+        return out
+
+    def dispatch(self, xs, topk_idx=None, topk_weights=None, num_experts=None, handles=None):
+        R = self.num_ranks
+        cached = handles is not None
+        self.calls.append("cached_dispatch" if cached else "dispatch")
+        in_rank = ([h.is_token_in_rank for h in handles] if cached else
+                   [compute_layout(i, num_experts, R, R).is_token_in_rank for i in topk_idx])
+        counts = torch.stack([m.sum(0) for m in in_rank]).int()  # [src, dst]
+        prefix = counts.cumsum(0).int()
+        results = []
+        for d in range(R):
+            chosen = [in_rank[s][:, d].nonzero().flatten() for s in range(R)]
+            rows = [(x[0][c], x[1][c]) if isinstance(x, tuple) else x[c] for x, c in zip(xs, chosen)]
+            recv_x = (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])) \
+                if isinstance(xs[0], tuple) else torch.cat(rows)
+            src_idx = torch.cat(chosen).int()
+            handle = Handle(prefix, torch.empty(0), torch.empty(0), src_idx, in_rank[d], torch.empty(0),
+                            int(src_idx.numel()), Config())
+            if cached:
+                results.append((recv_x, None, None, [], handle))
+                continue
+            local = torch.cat([to_local_expert_ids(topk_idx[s][c], d, num_experts // R) for s, c in enumerate(chosen)])
+            weights = torch.cat([topk_weights[s][c] for s, c in enumerate(chosen)]).masked_fill(local < 0, 0)
+            per_expert = torch.bincount(local[local >= 0], minlength=num_experts // R).tolist()
+            results.append((recv_x, local, weights, per_expert, handle))
+        return results
+
+    def combine(self, ys, handles, topk_weights=None):
+        self.calls.append("combine")
+        R = self.num_ranks
+        sums = [torch.zeros(h.is_token_in_rank.shape[0], ys[0].shape[1]) for h in handles]
+        wsums = [None if topk_weights is None else torch.zeros(h.is_token_in_rank.shape[0], topk_weights[0].shape[1])
+                 for h in handles]
+        for s in range(R):  # summation in rank order, as the kernels' reducers do
+            for d in range(R):
+                column = handles[d].rank_prefix_matrix[:, d]
+                lo, hi = (int(column[s - 1]) if s else 0), int(column[s])
+                rows = handles[d].recv_src_idx[lo:hi].long()
+                sums[s].index_add_(0, rows, ys[d][lo:hi].float())
+                if topk_weights is not None:
+                    wsums[s].index_add_(0, rows, topk_weights[d][lo:hi].float())
+        return [(x.to(ys[0].dtype), w) for x, w in zip(sums, wsums)]
+
+
+def _inputs(rank: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    w = torch.rand(N, K, generator=g).requires_grad_()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    idx[torch.rand(N, K, generator=g) < 0.2] = -1
+    idx[3] = -1  # a token with no expert at all
+    return x, w, idx
+
+
+def _step(d, rank: int, dtype: torch.dtype = torch.float32):
+    """One MoE-like forward/backward through dispatcher `d`; everything a test compares."""
+    x, w, idx = _inputs(rank, dtype)
+    layout = d.layout(idx, E)
+    recv_x, recv_idx, recv_w, counts, handle = d.dispatch(x, idx, w, layout)
+    scale = (recv_w * (recv_idx + 2)).sum(1, keepdim=True).to(recv_x.dtype)  # uses ids and weights
+    out = d.combine(recv_x * scale, handle)
+    (out.float() * torch.arange(H).float()).sum().backward()
+    return [recv_x.detach(), recv_idx, recv_w.detach(), counts, out.detach(), x.grad, w.grad,
+            dict(d.traffic.rows), dict(d.traffic.bytes)]
+
+
+def _run_native(fp8: bool = False, dtype: torch.dtype = torch.float32, fake: TorchEmulatedGroup | None = None,
+                config: Config | None = None):
+    fake = fake or TorchEmulatedGroup(R)
+    views = rank_views(fake, R, timeout_s=30)
+    made: list[int] = []
+
+    def factory_for(rank):
+        def factory(num_bytes):
+            made.append(num_bytes)
+            return views[rank]
+        return factory
+
+    def body(rank, _comms):
+        return _step(NativeDispatcher(factory_for(rank), E, R, rank, PER_NODE, fp8, config), rank, dtype)
+
+    return SimulatedEPGroup(R, PER_NODE).run(body), fake, made
+
+
+def _run_alltoall(fp8: bool = False, dtype: torch.dtype = torch.float32):
+    return SimulatedEPGroup(R, PER_NODE).run(
+        lambda rank, comms: _step(AllToAllDispatcher(comms.ep, E, PER_NODE, fp8), rank, dtype))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_native_matches_alltoall_forward_backward_and_counters(fp8):
+    native, fake, _ = _run_native(fp8)
+    reference = _run_alltoall(fp8)
+    names = ["recv_x", "recv_idx", "recv_w", "counts", "combined", "x.grad", "w.grad", "rows", "bytes"]
+    for rank, (got, want) in enumerate(zip(native, reference)):
+        for name, a, b in zip(names, got, want):
+            if isinstance(a, dict):
+                assert a == b, f"rank {rank}: traffic {name}"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+    # forward: layout (pure torch before the first dispatch) + dispatch + combine; backward: the
+    # combine's backward is a cached dispatch, the dispatch's backward a combine carrying weights
+    assert fake.calls == ["dispatch", "combine", "cached_dispatch", "combine"]
+
+
+def test_counters_split_links_and_directions():
+    native, _, _ = _run_native()
+    rows, nbytes = native[0][7], native[0][8]
+    assert set(rows) == {(pd.DISPATCH, pd.INTRA_NODE), (pd.DISPATCH, pd.INTER_NODE),
+                         (pd.COMBINE, pd.INTRA_NODE), (pd.COMBINE, pd.INTER_NODE)}
+    # dispatch rows travel twice (forward dispatch, combine backward), combine rows twice as well
+    x_row, record = H * 4, H * 4 + K * 4 + K * 4
+    grad_record = H * 4 + K * 4
+    for link in (pd.INTRA_NODE, pd.INTER_NODE):
+        d_rows, c_rows = rows[pd.DISPATCH, link], rows[pd.COMBINE, link]
+        assert d_rows % 2 == 0 and c_rows % 2 == 0
+        assert nbytes[pd.DISPATCH, link] == d_rows // 2 * (record + x_row)
+        assert nbytes[pd.COMBINE, link] == c_rows // 2 * (x_row + grad_record)
+
+
+def test_bfloat16_payload_and_buffer_grows_for_wider_rows():
+    fake = TorchEmulatedGroup(R)
+    views = rank_views(fake, R, timeout_s=30)
+    sizes: list[list[int]] = [[] for _ in range(R)]
+
+    def body(rank, _comms):
+        def factory(num_bytes):
+            sizes[rank].append(num_bytes)
+            return views[rank]
+
+        d = NativeDispatcher(factory, E, R, rank, PER_NODE)
+        x, w, idx = _inputs(rank, torch.bfloat16)
+        recv_x, _, _, _, handle = d.dispatch(x, idx, w, d.layout(idx, E))
+        assert recv_x.dtype == torch.bfloat16
+        out = d.combine(recv_x.float(), handle)  # float32 rows need a larger buffer; the handle still serves
+        assert out.dtype == torch.float32
+        d.layout(idx, E)  # now the buffer's layout is used
+        return out
+
+    outs = SimulatedEPGroup(R, PER_NODE).run(body)
+    config = Config()
+    for rank in range(R):
+        assert sizes[rank] == [config.buffer_size_hint(R, H * 2, K), config.buffer_size_hint(R, H * 4, K)]
+    assert fake.calls[-R:] == ["layout"] * R
+    x0 = _inputs(0, torch.bfloat16)[0].detach().float()
+    in_rank = compute_layout(_inputs(0)[2], E, R, R).is_token_in_rank
+    torch.testing.assert_close(outs[0], x0 * in_rank.sum(1, keepdim=True))  # each rank sends the row back
+
+
+def test_layout_matches_the_torch_layout_before_and_after_the_first_dispatch():
+    fake = TorchEmulatedGroup(R)
+    views = rank_views(fake, R, timeout_s=30)
+
+    def body(rank, _comms):
+        d = NativeDispatcher(lambda _bytes: views[rank], E, R, rank, PER_NODE)
+        x, w, idx = _inputs(rank)
+        before = d.layout(idx, E)
+        d.dispatch(x, idx, w, before)
+        after = d.layout(idx, E)
+        want = compute_layout(idx, E, R, PER_NODE)
+        for lay in (before, after):
+            assert torch.equal(lay.num_tokens_per_rank, want.num_tokens_per_rank)
+            assert torch.equal(lay.num_tokens_per_expert, want.num_tokens_per_expert)
+            assert torch.equal(lay.is_token_in_rank, want.is_token_in_rank)
+            assert torch.equal(lay.num_tokens_per_node, want.num_tokens_per_node)
+        return True
+
+    assert all(SimulatedEPGroup(R, PER_NODE).run(body))
+
+
+def test_errors_are_clear():
+    d = NativeDispatcher(lambda _bytes: None, E, R, 0, PER_NODE)
+    x, w, idx = _inputs(0)
+    layout = compute_layout(idx, E, R, PER_NODE)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        d.dispatch(x.detach().half(), idx, w, layout)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        d.dispatch(x.detach()[:, :3], idx, w, layout)
+    with pytest.raises(ValueError, match="one row per token"):
+        d.dispatch(x[:5], idx, w, layout)
+    with pytest.raises(TypeError, match="its own dispatch handle"):
+        d.combine(x, object())
+    with pytest.raises(ValueError, match="built for 8 experts"):
+        d.layout(idx, 16)
+    with pytest.raises(ValueError, match="cannot be split"):
+        NativeDispatcher(lambda _bytes: None, 6, R, 0, PER_NODE)
+    assert d.local_experts(E) == range(0, 2)
+
+
+def test_a_failing_collective_reaches_every_rank():
+    class Broken(TorchEmulatedGroup):
+        def dispatch(self, *args, **kwargs):
+            raise RuntimeError("kernels_cuda: invalid config")
+
+    views = rank_views(Broken(R), R, timeout_s=30)
+
+    def body(rank, _comms):
+        d = NativeDispatcher(lambda _bytes: views[rank], E, R, rank, PER_NODE)
+        x, w, idx = _inputs(rank)
+        with pytest.raises(RuntimeError, match="invalid config"):
+            d.dispatch(x, idx, w, d.layout(idx, E))
+        return True
+
+    assert all(SimulatedEPGroup(R, PER_NODE).run(body))
+
+
+@pytest.mark.skipif(kernels_cuda.is_built(), reason="the extension is built here")
+def test_make_dispatcher_native_without_the_extension_points_elsewhere():
+    comms = SimulatedEPGroup(2, 2).comms[0]
+    with pytest.raises(DispatcherUnavailable, match="not built.*hierarchical"):
+        make_dispatcher("native", comms, E)
+
+
+def _fake_group_comms(ep: int, per_node: int) -> EPComms:
+    def comm(size, rank):
+        c = ProcessGroupComm.__new__(ProcessGroupComm)
+        c.group, c.size, c.rank = object(), size, rank
+        return c
+
+    return EPComms(comm(ep, 0), comm(per_node, 0), comm(ep // per_node, 0))
+
+
+def test_make_dispatcher_native_selection(monkeypatch):
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    d = make_dispatcher("native", _fake_group_comms(4, 4), E, fp8=True)
+    assert isinstance(d, NativeDispatcher) and (d.num_ranks, d.rank, d.fp8) == (4, 0, True)
+    with pytest.raises(DispatcherUnavailable, match="spans 2 nodes.*hierarchical"):
+        make_dispatcher("native", _fake_group_comms(4, 2), E)
+    with pytest.raises(DispatcherUnavailable, match="5 ranks"):
+        make_dispatcher("native", _fake_group_comms(5, 5), 10)
+    with pytest.raises(ValueError, match="torch.distributed"):
+        make_dispatcher("native", SimulatedEPGroup(2, 2).comms[0], E)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DispatcherUnavailable, match="CUDA device"):
+        make_dispatcher("native", _fake_group_comms(4, 4), E)
+
