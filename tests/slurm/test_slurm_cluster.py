@@ -110,8 +110,8 @@ srun --kill-on-bad-exit=1 {sys.executable} -m torch.distributed.run --nnodes "$S
     assert len(lines) == 4 and {line.split()[1] for line in lines} == {"node=n1", "node=n2"}, text
 
 
-def launcher_env() -> dict:
-    return {**os.environ, "NPROC_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+def launcher_env(nproc_per_node: int = 1) -> dict:
+    return {**os.environ, "NPROC_PER_NODE": str(nproc_per_node), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
 
 
 def train_args(steps: int, run_dir: Path | str) -> list[str]:
@@ -138,13 +138,16 @@ def test_launcher_submitted_from_another_directory(cluster, tmp_path):
 
 
 def test_second_submission_resumes_across_two_nodes(cluster, tmp_path):
+    """2 nodes x 2 processes, expert parallelism over both nodes (hierarchical dispatch), resumed."""
     run_dir = tmp_path / "run"
-    args = ["--nodes=2", "scripts/pretrain_dsv3.sh", "moe_train/configs/tiny.yaml"]
-    first_id, state, text = run_job(args + train_args(2, run_dir), tmp_path / "first.out", env=launcher_env(),
+    args = ["--nodes=2", "--ntasks-per-node=1", "scripts/pretrain_dsv3.sh", "moe_train/configs/tiny.yaml",
+            "--set", "parallel.ep=4", "--set", "train.micro_batch_size=2"]
+    first_id, state, text = run_job(args + train_args(2, run_dir), tmp_path / "first.out", env=launcher_env(2),
                                     timeout=150)
     assert state == "COMPLETED", f"job {state}; output:\n{text}"
-    assert "2 node(s) x 1 process(es)" in text, text
-    second_id, state, text = run_job(args + train_args(4, run_dir), tmp_path / "second.out", env=launcher_env(),
+    assert "2 node(s) x 2 process(es)" in text, text
+    assert "layout: 4 processes = pp 1 x dp 4 (ep 4 inside dp), 2 per node" in text, text
+    second_id, state, text = run_job(args + train_args(4, run_dir), tmp_path / "second.out", env=launcher_env(2),
                                      timeout=150)
     assert state == "COMPLETED", f"job {state}; output:\n{text}"
     assert "at step 2" in text and "resumed from" in text, text
