@@ -48,6 +48,7 @@ class ParallelConfig:
     pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
     first_stage_layers: Optional[int] = None  # without a layout: decoder layers on the first stage
     last_stage_layers: Optional[int] = None  # without a layout: decoder layers on the last stage
+    overlap: bool = True  # FB actions (dualpipe, dualpipev) interleave their halves to hide all-to-alls
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
 
 

@@ -66,9 +66,6 @@ def start_distributed(config: Config) -> Topology | None:
                                             "processes; launch with NPROC_PER_NODE or under Slurm")])
         return None
     p, t = config.parallel, config.train
-    if p.pp > 1 and t.eval_interval:
-        raise ConfigError([("train.eval_interval", "validation through the pipeline is not available yet; "
-                                                   "use 0 with pp > 1")])
     try:
         topology = init_distributed(p.pp, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
                                     num_experts=config.model.num_moe_experts)
@@ -117,7 +114,8 @@ class Trainer:
             lowered, specs = plan_pipeline(config, topology.dp)
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
                                           config.train.seq_length, dispatcher, config.parallel.timeout_s,
-                                          forward_context=lambda: autocast(self.device, config.train.precision))
+                                          forward_context=lambda: autocast(self.device, config.train.precision),
+                                          overlap=config.parallel.overlap)
             self.model = self.pipeline.model
         else:
             self.model = DeepSeekV3(config.model, dispatcher)
@@ -184,7 +182,7 @@ class Trainer:
         self.pipeline.model.mtp_loss_scale = mtp_scale
         batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
         with aux_loss_grad_scale(scale):
-            sums = self.pipeline.step(batches, scale)
+            sums = self.pipeline.step(batches, scale, sync=self.grads)
         dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica
         lm_loss, mtp_loss, aux_loss = (sums / self.topology.dp).tolist()
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
@@ -215,11 +213,13 @@ class Trainer:
         return ratio
 
     def compute_gradients(self) -> dict[str, float]:
-        """Forward and backward of the next global batch, gradients reduced over data parallelism."""
+        """Forward and backward of the next global batch, gradients reduced over data parallelism
+        (by the pipeline as their gradients become final, else here afterwards)."""
         losses = self._forward_backward(self.sampler.next_batch(),
                                         mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
         self._check_finite(losses)
-        self.grads.reduce()
+        if self.pipeline is None:
+            self.grads.reduce()
         return losses
 
     def apply_update(self) -> dict[str, float]:
@@ -245,14 +245,32 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean lm loss over `train.eval_iters` validation micro-batches (the same on every layout)."""
         self.model.eval()
-        mbs, total = self.cfg.train.micro_batch_size, 0.0
-        for i in range(self.cfg.train.eval_iters):
-            rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
-            with autocast(self.device, self.cfg.train.precision):
-                total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss.item()
-        self.model.train()
-        return total / self.cfg.train.eval_iters
+        try:
+            if self.pipeline is not None:
+                return self._pipeline_evaluate()
+            mbs, total = self.cfg.train.micro_batch_size, 0.0
+            for i in range(self.cfg.train.eval_iters):
+                rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
+                with autocast(self.device, self.cfg.train.precision):
+                    total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss.item()
+            return total / self.cfg.train.eval_iters
+        finally:
+            self.model.train()
+
+    def _pipeline_evaluate(self) -> float:
+        """The same through the pipeline, forward only: the validation micro-batches are dealt
+        round-robin over dp; a replica short of one repeats micro-batch 0 uncounted, so every EP
+        peer runs the same number of forwards. Every rank returns the global mean."""
+        assert self.pipeline is not None and self.topology is not None
+        mbs, iters, dp = self.cfg.train.micro_batch_size, self.cfg.train.eval_iters, self.topology.dp
+        mine = range(self.topology.dp_rank, -(-iters // dp) * dp, dp)
+        batches = [(rows[:, :-1], rows[:, 1:]) for rows in
+                   (self.valid_data.rows((i if i < iters else 0) * mbs, mbs).to(self.device) for i in mine)]
+        total = self.pipeline.evaluate(batches, counted=sum(i < iters for i in mine))
+        dist.all_reduce(total)
+        return total.item() / iters
 
     def _on_signal(self, signum: int, _frame) -> None:
         self.stop_signal = signum

@@ -5,9 +5,15 @@ dp ranks of a stage. Dense gradients are therefore averaged over dp. An expert's
 sums the contributions of every rank of its EP group (they flow back through combine/dispatch),
 so expert gradients are summed over the expert-data-parallel replicas and divided by dp.
 Without a topology (one process) every operation is the identity.
+
+A reduction can also start piece by piece (`launch`, as the pipeline does once a parameter's
+gradient is final) and be completed with `finish` before the optimizer step: each `launch` is one
+asynchronous all-reduce per group over the flattened gradients it names, so the element-wise sums
+are those of the one-shot `reduce` (every rank must launch the same pieces in the same order).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -25,14 +31,14 @@ def is_expert_parameter(name: str) -> bool:
     return EXPERT_MARKER in name
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup, scale: float) -> None:
-    if not tensors:
-        return
-    flat = _flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    flat.mul_(scale)
-    for tensor, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-        tensor.copy_(reduced)
+@dataclass
+class _InFlight:
+    """One launched all-reduce: the flat buffer it reduces and the gradients it goes back into."""
+
+    work: dist.Work
+    flat: torch.Tensor
+    grads: list[torch.Tensor]
+    scale: float
 
 
 class GradientSync:
@@ -46,6 +52,8 @@ class GradientSync:
         self.dense, self.expert = [], []
         for name, param in model.named_parameters():
             (self.expert if is_expert_parameter(name) else self.dense).append(param)
+        self.expert_ids = {id(p) for p in self.expert}
+        self.in_flight: list[_InFlight] = []
 
     def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         for param in params:
@@ -53,12 +61,37 @@ class GradientSync:
                 param.grad = torch.zeros_like(param)
         return [param.grad for param in params]
 
-    def reduce(self) -> None:
+    def _start(self, params: list[nn.Parameter], group: dist.ProcessGroup, scale: float) -> None:
+        if not params:
+            return
+        grads = self._grads(params)
+        flat = _flatten_dense_tensors(grads)
+        self.in_flight.append(_InFlight(dist.all_reduce(flat, group=group, async_op=True), flat, grads, scale))
+
+    def launch(self, params: Iterable[nn.Parameter]) -> None:
+        """Start reducing the gradients of `params` (final from now on): dense ones over dp, expert
+        ones over expert-dp, asynchronously; `finish` completes them."""
         topo = self.topology
         if topo is None:
             return
-        _all_reduce_flat(self._grads(self.dense), topo.dp_group, 1.0 / topo.dp)
-        _all_reduce_flat(self._grads(self.expert), topo.expert_dp_group, 1.0 / topo.dp)
+        params = list(params)
+        self._start([p for p in params if id(p) not in self.expert_ids], topo.dp_group, 1.0 / topo.dp)
+        self._start([p for p in params if id(p) in self.expert_ids], topo.expert_dp_group, 1.0 / topo.dp)
+
+    def finish(self) -> None:
+        """Wait for every launched reduction and write the averaged gradients back."""
+        for item in self.in_flight:
+            item.work.wait()
+            item.flat.mul_(item.scale)
+            for grad, reduced in zip(item.grads, _unflatten_dense_tensors(item.flat, item.grads)):
+                grad.copy_(reduced)
+        self.in_flight = []
+
+    def reduce(self) -> None:
+        """The whole model's reduction at once (after the backward)."""
+        self.launch(self.dense)
+        self.launch(self.expert)
+        self.finish()
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm of the full model's reduced gradient, each replicated tensor counted once."""

@@ -1,6 +1,8 @@
 """The one collective the dispatchers use (an uneven all-to-all of rows), behind a small interface.
 
-`ProcessGroupComm` runs it with torch.distributed on a process group; `parallel.dispatch.simulated`
+`ProcessGroupComm` runs it with torch.distributed on a process group, launched asynchronously and
+completed through `parallel.dispatch.handles.complete` (so an overlapped forward/backward pair can
+compute the other chunk meanwhile); `parallel.dispatch.simulated`
 runs it between threads of one process, so the same backend code can be driven for many ranks
 without processes (the dispatch-volume benchmark does that).
 """
@@ -11,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
+
+from parallel.dispatch.handles import CommHandle, all_to_all_async, complete
 
 if TYPE_CHECKING:
     from parallel.topology import Topology
@@ -36,9 +40,14 @@ class ProcessGroupComm:
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         if self.size == 1:
             return send
-        out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        dist.all_to_all_single(out, send.contiguous(), recv_splits, send_splits, group=self.group)
+        out, handle = self.all_to_all_async(send, send_splits, recv_splits)
+        complete(handle)
         return out
+
+    def all_to_all_async(self, send: torch.Tensor, send_splits: list[int],
+                         recv_splits: list[int]) -> tuple[torch.Tensor, CommHandle]:
+        """Launch the all-to-all; the output is valid once the handle was waited on."""
+        return all_to_all_async(self.group, send, send_splits, recv_splits)
 
 
 def exchange_counts(comm: Comm, counts: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """The DeepSeek-V3 model run through a pipeline schedule on one rank: what the trainer drives.
 
 Builds the validated plan, cuts the model into stages, keeps this rank's `StageModel`, the W store,
-the runtime and the replica sums together, and runs one step's micro-batches.
+the runtime and the replica sums together, and runs one step's micro-batches. Given the trainer's
+`GradientSync`, a step also starts the data-parallel reduction of each parameter as soon as its
+gradient is final (`grad_ready`); parameters another pipeline rank also holds (tied embedding,
+DualPipe mirrors) are summed over their pair first, after the step, then reduced.
 """
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import torch
 
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher
+from parallel.data_parallel import GradientSync
 from parallel.topology import Topology, group_ranks
 
-from .ir import LoweredSchedule
+from .grad_ready import GradientReadiness, split_weights
+from .ir import Action, LoweredSchedule
+from .overlap import FBOverlap
 from .plan import plan
 from .replicas import PipelineReplicas
 from .runtime import PipelineRuntime
@@ -35,13 +41,15 @@ class ModelPipeline:
     """This rank's stages of the model and the runtime that runs them.
 
     `forward_context` wraps every stage forward (e.g. bf16 autocast); backwards run outside it.
+    `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`).
     The runtime is created at the first step, when the model has its final device and dtype.
     """
 
     def __init__(self, args: ModelArgs, topology: Topology, lowered: LoweredSchedule, specs: Sequence[StageSpec],
                  micro_batch_size: int, seq_length: int, dispatcher: Optional[Dispatcher] = None,
                  timeout_s: float = 300.0,
-                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                 overlap: bool = True) -> None:
         self.topology, self.lowered = topology, lowered
         placement = lowered.schedule.placement
         self.model, self.stages = build_stages(args, specs, placement.stages_on(topology.pp_rank), dispatcher)
@@ -53,30 +61,71 @@ class ModelPipeline:
         self.store = WeightGradStore()
         self.shape = (micro_batch_size, seq_length, args.hidden_size)
         self.runtime: Optional[PipelineRuntime] = None
+        self.overlap = overlap
+        program = lowered.programs[topology.pp_rank]
+        self.readiness = GradientReadiness(program, {s: stage.parameters() for s, stage in self.stages.items()},
+                                           split_weights([self.model]), exclude=self.replicas.params)
+        self._sync: Optional[GradientSync] = None
 
     @property
     def num_microbatches(self) -> int:
         return self.lowered.schedule.num_microbatches
 
-    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch, replicated gradients summed.
+    def _runtime(self) -> PipelineRuntime:
+        if self.runtime is None:
+            param = next(self.model.parameters())
+            self.runtime = PipelineRuntime(self.lowered, self.topology.pp_rank, self.stages, self.store,
+                                           (self.shape, param.dtype, param.device), self.topology.pp_group,
+                                           after_compute=self._after_compute)
+            if self.overlap:
+                self.runtime.fb_overlap = FBOverlap()
+        return self.runtime
+
+    def _after_compute(self, action: Action) -> None:
+        ready = self.readiness.done(action)
+        if ready and self._sync is not None:
+            self._sync.launch(ready)
+
+    def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+             sync: Optional[GradientSync] = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch, replicated gradients summed; with `sync`,
+        gradients also reduced over data parallelism (complete on return).
 
         Returns this rank's sum over micro-batches of [lm_loss, mtp_loss, aux_loss] x loss_scale
         (lm and mtp from the loss stage, aux from this rank's MoE layers), float64 on the model's device.
         """
+        runtime = self._runtime()
+        self.readiness.start()
+        self._sync = sync
+        try:
+            with split_backward(self.store):
+                zero_grad_buffers(self.model.parameters())
+                runtime.step(batches, loss_scale)
+            self.readiness.assert_done()
+            self.replicas.reduce_gradients()
+            if sync is not None:
+                sync.launch(self.replicas.params)
+                sync.finish()
+        finally:
+            self._sync = None
         param = next(self.model.parameters())
-        if self.runtime is None:
-            self.runtime = PipelineRuntime(self.lowered, self.topology.pp_rank, self.stages, self.store,
-                                           (self.shape, param.dtype, param.device), self.topology.pp_group)
-        with split_backward(self.store):
-            zero_grad_buffers(self.model.parameters())
-            self.runtime.step(batches, loss_scale)
-        self.replicas.reduce_gradients()
         sums = torch.zeros(3, dtype=torch.float64, device=param.device)
         for stage in self.stages.values():
             for parts in stage.pop_parts().values():
                 sums += parts * loss_scale
         return sums
+
+    def evaluate(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], counted: int) -> torch.Tensor:
+        """Forward-only pass (no W store, no backward): this rank's sum of the lm losses of the
+        first `counted` of `batches` (zero unless it holds the loss stage), float64 on the model's device."""
+        with torch.no_grad():
+            self._runtime().forward_only(batches)
+        total = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
+        for stage in self.stages.values():
+            for microbatch, parts in stage.pop_parts().items():
+                if microbatch < counted:
+                    total += parts[0]
+        return total
 
     def destroy(self) -> None:
         self.replicas.destroy()

@@ -15,14 +15,15 @@ autograd engine, as Megatron and DualPipe do, because the public API would rejec
 output). B/BW run the backward from the received output gradient (the loss stage: from
 `loss_scale`), inside the W store's scope so B queues its weight-gradient work and BW runs it;
 the input gradient is sent, or handed to the local previous stage (the bottom of a V). W pops the
-queued work. FB runs its forward half, then its backward half (the overlap is the model's later
-job). At the end of a step nothing may be left: no activation, gradient, queued W or P2P.
+queued work. FB runs its forward half, then its backward half, or, given `fb_overlap`
+(`parallel.pipeline.overlap.FBOverlap`), the two interleaved so each hides the other's
+all-to-alls. At the end of a step nothing may be left: no activation, gradient, queued W or P2P.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,19 +76,24 @@ class PipelineRuntime:
     """Runs `lowered.programs[pp_rank]` with `stages` (stage id -> Stage) once per `step`.
 
     `group` is the pipeline process group (None: the default group, pipeline rank = global rank).
-    `activation` is the (shape, dtype, device) of every stage-to-stage tensor.
+    `activation` is the (shape, dtype, device) of every stage-to-stage tensor. `after_compute`, if
+    given, is called with every compute action (FB whole) once it has run, e.g. to start the
+    reduction of gradients that became final.
     """
+
+    fb_overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None  # FB hook
 
     def __init__(self, lowered: LoweredSchedule, pp_rank: int, stages: dict[int, Stage],
                  store: WeightGradStore, activation: tuple[Sequence[int], torch.dtype, torch.device],
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None,
+                 after_compute: Optional[Callable[[Action], None]] = None) -> None:
         placement = lowered.schedule.placement
         missing = set(placement.stages_on(pp_rank)) - set(stages)
         if missing:
             raise ValueError(f"pipeline rank {pp_rank} runs stages {sorted(missing)} but was not given them")
         self.lowered, self.pp_rank, self.stages, self.store = lowered, pp_rank, stages, store
         self.shape, self.dtype, self.device = tuple(activation[0]), activation[1], activation[2]
-        self.group = group
+        self.group, self.after_compute = group, after_compute
         self.num_stages = lowered.schedule.num_stages
         self.pending_p2p: list[_PendingSend] = []
         self.peak_live = 0
@@ -117,9 +123,16 @@ class PipelineRuntime:
                 self._communicate(item, state)
                 continue
             start = time.perf_counter()
-            for half in item.halves():
-                self._compute(half, state, inputs, loss_scale)
+            halves = item.halves()
+            if len(halves) == 2 and self.fb_overlap is not None:
+                self.fb_overlap(lambda: self._compute(halves[0], state, inputs, loss_scale),
+                                lambda: self._compute(halves[1], state, inputs, loss_scale))
+            else:
+                for half in halves:
+                    self._compute(half, state, inputs, loss_scale)
             self.compute_s += time.perf_counter() - start
+            if self.after_compute is not None:
+                self.after_compute(item)
         self._finish_sends(wait=True)
         problems = state.leftovers() + [f"live activations {sorted(state.live)}"] * bool(state.live)
         if problems:
@@ -151,13 +164,43 @@ class PipelineRuntime:
         if stage == self.num_stages - 1:
             state.losses[microbatch] = output.detach()
             return
-        if tuple(output.shape) != self.shape or output.dtype != self.dtype:
-            raise ScheduleError(f"F{stage}.{microbatch}: output {tuple(output.shape)} {output.dtype}, "
-                                f"activations must be {self.shape} {self.dtype}")
+        self._check_activation(key, output)
         if self._local(stage + 1, microbatch):
             state.inputs[(stage + 1, microbatch)] = output.detach().requires_grad_()
         elif output._base is not None:
             raise ScheduleError(f"F{stage}.{microbatch}: a sent output must not be a view (its storage is released)")
+
+    def _check_activation(self, key: Key, output: torch.Tensor) -> None:
+        if tuple(output.shape) != self.shape or output.dtype != self.dtype:
+            raise ScheduleError(f"F{key[0]}.{key[1]}: output {tuple(output.shape)} {output.dtype}, "
+                                f"activations must be {self.shape} {self.dtype}")
+
+    def forward_only(self, inputs: Sequence[Any]) -> dict[int, torch.Tensor]:
+        """Forwards of any number of micro-batches through every stage, nothing kept for a
+        backward (run it under `torch.no_grad()`, e.g. for evaluation); returns {microbatch: loss}
+        of the loss stage where this rank holds it.
+
+        No schedule: micro-batch after micro-batch, stage after stage, each stage where direction 0
+        places it; an output goes to the next stage's rank by a blocking send. Every rank walks the
+        same (micro-batch, stage) order, so each send meets its receive.
+        """
+        placement, last = self.lowered.schedule.placement, self.num_stages - 1
+        mine = [s for s in placement.stages_on(self.pp_rank) if placement.rank_of(s) == self.pp_rank]
+        losses: dict[int, torch.Tensor] = {}
+        for microbatch, item in enumerate(inputs):
+            x: Optional[torch.Tensor] = None
+            for stage in mine:
+                if stage > 0 and placement.rank_of(stage - 1) != self.pp_rank:
+                    x = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                    dist.recv(x, self._peer(placement.rank_of(stage - 1)), group=self.group)
+                x = self.stages[stage].forward(microbatch, x, item)
+                if stage == last:
+                    losses[microbatch] = x.detach()
+                    continue
+                self._check_activation((stage, microbatch), x)
+                if placement.rank_of(stage + 1) != self.pp_rank:
+                    dist.send(x, self._peer(placement.rank_of(stage + 1)), group=self.group)
+        return losses
 
     def _backward_action(self, action: Action, state: _StepState, loss_scale: float) -> None:
         stage, microbatch = key = (action.stage, action.microbatch)

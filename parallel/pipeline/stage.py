@@ -188,6 +188,20 @@ class ModelStage:
     def is_last(self) -> bool:
         return self.spec.loss
 
+    def modules(self) -> list[nn.Module]:
+        """The modules this stage's forward runs; the MTP of the last stage uses the embedding too."""
+        model, modules = self.model, list(self.layers)
+        if self.is_first:
+            modules.append(model.embed_tokens)
+        if self.is_last:
+            modules += [model.norm, model.lm_head, model.mtp]
+            if len(model.mtp):
+                modules.append(model.embed_tokens)
+        return modules
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules() for p in module.parameters()]
+
     def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor:
         input_ids, labels = inputs
         model = self.model
