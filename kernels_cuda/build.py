@@ -17,7 +17,7 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC = PACKAGE_DIR / "csrc"
 CUDA_SOURCES = sorted((CSRC / "kernels").glob("*.cu"))
-HOST_SOURCES = [CSRC / "host" / "bindings.cpp"]
+HOST_SOURCES = [CSRC / "host" / "bindings.cpp", CSRC / "host" / "internode_runtime.cpp"]
 # No Hopper-only instructions (TMA, wgmma, setmaxnreg) are used yet, so plain sm_90 suffices;
 # switch to compute_90a/sm_90a when they are.
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
@@ -27,6 +27,12 @@ CXX_FLAGS = ["-O3", f"-I{CSRC}"]
 # Device sources alone (compile_check) need only C++17.
 DEVICE_ONLY_FLAGS = ["-std=c++17"]
 ENV_SWITCH = "MOE_TRAIN_BUILD_CUDA"
+# The internode kernels' NVSHMEM back end (Backend::kNvshmem) is compiled only when asked for with
+# MOE_TRAIN_NVSHMEM=1 and NVSHMEM is found ($NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel); it
+# needs relocatable device code linked against libnvshmem_device. Everywhere else the build skips
+# it and the internode kernels run on EMULATED ranks only. (Its host initialisation, a unique id
+# broadcast through torch.distributed, is not written yet.)
+NVSHMEM_SWITCH = "MOE_TRAIN_NVSHMEM"
 
 
 def find_nvcc() -> str | None:
@@ -39,6 +45,26 @@ def find_nvcc() -> str | None:
         return found
     default = Path("/usr/local/cuda/bin/nvcc")
     return str(default) if default.is_file() else None
+
+
+def find_nvshmem() -> Path | None:
+    """NVSHMEM's root (with include/nvshmem.h): $NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel."""
+    roots = [Path(os.environ["NVSHMEM_HOME"])] if os.environ.get("NVSHMEM_HOME") else []
+    try:
+        import nvidia.nvshmem  # type: ignore[import-not-found]
+        roots += [Path(p) for p in nvidia.nvshmem.__path__]
+    except ImportError:
+        pass
+    return next((root for root in roots if (root / "include" / "nvshmem.h").is_file()), None)
+
+
+def nvshmem_options() -> dict[str, list[str]]:
+    """Extra nvcc flags and libraries for the NVSHMEM back end, or {} when it is skipped."""
+    root = find_nvshmem() if os.environ.get(NVSHMEM_SWITCH) == "1" else None
+    if root is None:
+        return {}
+    return {"nvcc": ["-DEP_WITH_NVSHMEM", f"-I{root / 'include'}", "-rdc=true"],
+            "library_dirs": [str(root / "lib")], "libraries": ["nvshmem_host", "nvshmem_device"]}
 
 
 def build_decision() -> tuple[bool, str]:
@@ -71,10 +97,13 @@ def cuda_ext_modules() -> list[Any]:
     from torch.utils.cpp_extension import CUDAExtension
 
     root = PACKAGE_DIR.parent
+    nvshmem = nvshmem_options()
+    print(f"kernels_cuda: NVSHMEM back end {'on' if nvshmem else f'skipped (set {NVSHMEM_SWITCH}=1 and NVSHMEM_HOME)'}")
     return [CUDAExtension(
         name="kernels_cuda._C",
         sources=[str(p.relative_to(root)) for p in [*HOST_SOURCES, *CUDA_SOURCES]],
-        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": [*NVCC_FLAGS, *ARCH_FLAGS]},
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": [*NVCC_FLAGS, *ARCH_FLAGS, *nvshmem.get("nvcc", [])]},
+        library_dirs=nvshmem.get("library_dirs", []), libraries=nvshmem.get("libraries", []), dlink=bool(nvshmem),
     )]
 
 

@@ -38,4 +38,10 @@ MAX_NVL_PEERS = CONSTANTS["MAX_NVL_PEERS"]
 MAX_RDMA_PEERS = CONSTANTS["MAX_RDMA_PEERS"]
 RDMA_SENDER_WARPS = CONSTANTS["RDMA_SENDER_WARPS"]
 RDMA_RECEIVER_WARPS = CONSTANTS["RDMA_RECEIVER_WARPS"]
+MAX_EMULATED_RANKS = CONSTANTS["MAX_EMULATED_RANKS"]
+RDMA_META_INTS = CONSTANTS["RDMA_META_INTS"]
 DEFAULT_TIMEOUT_CYCLES = CONSTANTS["DEFAULT_TIMEOUT_CYCLES"]
+
+# Timeout diagnostics: role ids of csrc/ep_diag.h ("kRoleRdmaSender = 9," -> {9: "RdmaSender"}).
+ROLES = {int(value): name for name, value in
+         re.findall(r"^\s*kRole(\w+)\s*=\s*(\d+),", (HEADER.parent / "ep_diag.h").read_text(), re.MULTILINE)}

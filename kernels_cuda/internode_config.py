@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernels_cuda import constants as C
+from kernels_cuda.config import align_up, combine_record_bytes
+
+RDMA_NOTIFY_INTS = (C.MAX_NVL_PEERS * (1 + C.MAX_LOCAL_EXPERTS) + 1 + 3) // 4 * 4
+NVL_NOTIFY_INTS = C.MAX_RDMA_PEERS + C.MAX_LOCAL_EXPERTS
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,39 @@ class InternodeConfig:
         return validate_internode(self.num_channels, self.nvl_chunk, self.nvl_capacity, self.rdma_chunk,
                                   self.rdma_capacity, num_nodes, gpus_per_node, hidden_bytes, num_topk,
                                   num_local_experts)
+
+    def buffer_size_hints(self, num_nodes: int, gpus_per_node: int, hidden_bytes: int,
+                          num_topk: int) -> tuple[int, int]:
+        """(RDMA bytes, NVLink bytes) per rank for BF16 rows of `hidden_bytes`: room for the larger of the
+        dispatch record (FP8 scales included) and a float32 combine record of the same width."""
+        dispatch = internode_dispatch_record_bytes(hidden_bytes, hidden_bytes // C.FP8_BLOCK_SIZE, num_topk)
+        record = max(dispatch, combine_record_bytes(2 * hidden_bytes, num_topk))
+        return (rdma_region_bytes(num_nodes, self.num_channels, self.rdma_capacity, record),
+                nvl_region_bytes(num_nodes, gpus_per_node, self.num_channels, self.nvl_capacity, record))
+
+
+def internode_dispatch_record_bytes(hidden_bytes: int, num_scales: int, num_topk: int) -> int:
+    """payload | scales | meta (token, source node, GPU bitmask) | top-k ids (int32) | weights, 16-aligned."""
+    return align_up(hidden_bytes + num_scales * 4 + 12 + num_topk * 8, C.RECORD_ALIGN)
+
+
+def rdma_region_bytes(num_nodes: int, num_channels: int, capacity: int, record_bytes: int) -> int:
+    """Mirror of make_rdma_layout(...).total (csrc/ep_internode.h)."""
+    words = num_channels * num_nodes * 4
+    metas, records = words * C.RDMA_META_INTS, num_channels * num_nodes * capacity * record_bytes
+    offset = align_up(C.MAX_RDMA_PEERS * 4, C.BUFFER_ALIGN)                                  # notify
+    for size in (C.MAX_RDMA_PEERS * RDMA_NOTIFY_INTS * 4,) * 2 + (metas, words, words, metas, records):
+        offset = align_up(offset + size, C.BUFFER_ALIGN)  # send_notify, meta, head, tail, send_meta, send/recv data
+    return align_up(offset + records, C.BUFFER_ALIGN)
+
+
+def nvl_region_bytes(num_nodes: int, gpus: int, num_channels: int, capacity: int, record_bytes: int) -> int:
+    """Mirror of make_nvl_layout(...).total (csrc/ep_internode.h)."""
+    words = num_channels * gpus * num_nodes * 4
+    offset = align_up(C.MAX_NVL_PEERS * 4, C.BUFFER_ALIGN)                                   # notify
+    for size in (C.MAX_NVL_PEERS * NVL_NOTIFY_INTS * 4, 2 * words, words, words):
+        offset = align_up(offset + size, C.BUFFER_ALIGN)                                     # meta, head, tail, data
+    return align_up(offset + num_channels * gpus * capacity * record_bytes, C.BUFFER_ALIGN)
 
 
 def rdma_ring_is_safe(rdma_chunk: int, rdma_capacity: int, sender_warps: int = C.RDMA_SENDER_WARPS) -> bool:

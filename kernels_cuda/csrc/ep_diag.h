@@ -10,6 +10,22 @@ enum Role : int {
     kRoleCombineSender = 4,
     kRoleCombineReceiver = 5,
     kRoleCombineKeeper = 6,
+    // internode
+    kRoleRailBarrier = 7,
+    kRoleNodeBarrier = 8,
+    kRoleRdmaSender = 9,             // dispatch: waiting for room in a node's RDMA ring
+    kRoleRdmaSenderCoordinator = 10,
+    kRoleForwarderMeta = 11,         // dispatch forwarder: waiting for a node's channel meta
+    kRoleForwarderNvlRoom = 12,      // dispatch forwarder: waiting for room in the NVLink ring
+    kRoleForwarderRdmaData = 13,     // dispatch forwarder: waiting for RDMA records
+    kRoleForwarderCoordinator = 14,
+    kRoleNvlReceiver = 15,
+    kRoleCombineNvlSender = 16,
+    kRoleCombineForwarderRdmaRoom = 17,
+    kRoleCombineForwarderNvlData = 18,
+    kRoleCombineNvlCoordinator = 19,
+    kRoleCombineRdmaReceiver = 20,
+    kRoleCombineRdmaCoordinator = 21,
 };
 
 // Host-mapped; written once by the first spin that times out. Read by Runtime.error_record().

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "ep_params.h"
+
 namespace ep {
 
 template <typename Params>
@@ -21,5 +23,27 @@ inline cudaError_t launch_cooperative(void (*kernel)(Params), int blocks, int th
     config.numAttrs = 1;
     return cudaLaunchKernelEx(&config, kernel, params);
 }
+
+// Internode launches: the EMULATED kernel always exists, the NVSHMEM one only in builds with
+// EP_WITH_NVSHMEM (else nullptr: the launch reports cudaErrorNotSupported).
+template <typename T>
+struct Same {
+    using type = T;
+};
+
+template <typename Params>
+inline cudaError_t launch_by_backend(Backend backend, void (*emulated)(Params),
+                                     typename Same<void (*)(Params)>::type nvshmem, int blocks, int threads,
+                                     cudaStream_t stream, const Params& params) {
+    if (backend == Backend::kEmulated) return launch_cooperative(emulated, blocks, threads, stream, params);
+    if (backend != Backend::kNvshmem || nvshmem == nullptr) return cudaErrorNotSupported;
+    return launch_cooperative(nvshmem, blocks, threads, stream, params);
+}
+
+#if defined(EP_WITH_NVSHMEM)
+#define EP_NVSHMEM_KERNEL(...) __VA_ARGS__
+#else
+#define EP_NVSHMEM_KERNEL(...) nullptr
+#endif
 
 }  // namespace ep

@@ -12,9 +12,8 @@
 
 namespace ep {
 
-
-
-enum class Backend : int { kEmulated = 0, kNvlink = 1 };
+// kNvshmem: internode only, RDMA hop through NVSHMEM (built with EP_WITH_NVSHMEM, see build.py).
+enum class Backend : int { kEmulated = 0, kNvlink = 1, kNvshmem = 2 };
 enum class Payload : int { kBF16 = 0, kFloat32 = 1 };
 
 struct LayoutParams {

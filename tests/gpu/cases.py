@@ -45,3 +45,22 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     q, scales = quantize_e4m3(x)
     return q, scales.T.contiguous().T
+
+
+def node_limited_routing(num_nodes: int, gpus_per_node: int, num_tokens: int, num_experts: int, num_topk: int,
+                         max_nodes: int, seed: int, device: str = "cuda") -> list[torch.Tensor]:
+    """topk_idx per rank with every token's experts inside at most `max_nodes` nodes (DeepSeek-V3's
+    group-limited routing with groups = nodes), some slots and some whole tokens empty."""
+    g = torch.Generator().manual_seed(seed)
+    per_node = num_experts // num_nodes
+    out = []
+    for _ in range(num_nodes * gpus_per_node):
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+        nodes = torch.rand(num_tokens, num_nodes, generator=g).topk(max_nodes, dim=1).indices
+        allowed = torch.zeros(num_tokens, num_nodes, dtype=torch.bool).scatter_(1, nodes, True)
+        scores = scores.masked_fill(~allowed.repeat_interleave(per_node, dim=1), -1)
+        idx = scores.topk(min(num_topk, max_nodes * per_node), dim=1).indices
+        idx = idx.masked_fill(torch.rand(idx.shape, generator=g) < 0.1, -1)
+        idx[torch.arange(num_tokens) % 7 == 3] = -1
+        out.append(idx.to(device))
+    return out

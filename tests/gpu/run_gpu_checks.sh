@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 8 min on
+# Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 9 min on
 # one H200), writing a short Markdown report to $1 (default docs/gpu_runs/<UTC date>.md).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any step failed.
 set -uo pipefail
@@ -29,8 +29,10 @@ step environment 60 bash -c 'nvidia-smi; nvcc --version; python -c "import torch
 step compile_check 120 python -m kernels_cuda.compile_check --jobs 4
 step build 300 python -m kernels_cuda.build
 step import 60 python -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
-step tests 240 python -m pytest tests/gpu -q -rA -p no:cacheprovider
+step tests 240 python -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_internode_emulated.py
+step tests_internode 180 python -m pytest tests/gpu/test_internode_emulated.py -q -rA -p no:cacheprovider
 step bench 90 python -m tests.gpu.bench_emulated
+step bench_overlap 120 python -m tests.gpu.bench_overlap
 
 {
     echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -41,7 +43,7 @@ step bench 90 python -m tests.gpu.bench_emulated
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in compile_check tests bench; do
+    for name in compile_check tests tests_internode bench bench_overlap; do
         echo
         echo "## $name"
         echo '```'

@@ -25,6 +25,8 @@ def test_import_reports_not_built_and_buffers_refuse_clearly():
         kernels_cuda.EmulatedGroup(2, 1 << 20)
     with pytest.raises(kernels_cuda.KernelsNotBuilt, match="not built"):
         kernels_cuda.Buffer(None, 1 << 20)
+    with pytest.raises(kernels_cuda.KernelsNotBuilt, match="not built"):
+        kernels_cuda.EmulatedInternodeGroup(2, 2, 1 << 20, 1 << 20)
 
 
 @pytest.mark.skipif(not CPU_TORCH, reason="needs a CPU build of torch")
@@ -42,16 +44,34 @@ def test_build_is_skipped_on_cpu_torch_and_forcing_it_fails_loudly(monkeypatch):
 
 def test_sources_are_split_into_device_and_host_files():
     assert {p.name for p in build.CUDA_SOURCES} >= {"layout.cu", "notify.cu", "intranode_dispatch.cu",
-                                                    "intranode_combine.cu"}
+                                                    "intranode_combine.cu", "internode_notify.cu",
+                                                    "internode_dispatch.cu", "internode_combine.cu"}
     for source in build.CUDA_SOURCES:  # device code depends on the CUDA toolkit only
         assert "torch" not in source.read_text()
-    assert "torch/extension.h" in build.HOST_SOURCES[0].read_text()
+    for source in build.HOST_SOURCES:
+        assert "torch/extension.h" in source.read_text()
+
+
+def test_nvshmem_back_end_is_skipped_unless_asked_for(monkeypatch, tmp_path):
+    monkeypatch.delenv(build.NVSHMEM_SWITCH, raising=False)
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "nvshmem.h").write_text("")
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
+    assert build.find_nvshmem() == tmp_path
+    assert build.nvshmem_options() == {}  # found, but not asked for
+    monkeypatch.setenv(build.NVSHMEM_SWITCH, "1")
+    options = build.nvshmem_options()
+    assert "-DEP_WITH_NVSHMEM" in options["nvcc"] and "nvshmem_device" in options["libraries"]
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "missing"))
+    if build.find_nvshmem() is None:  # no wheel either: skipped even when asked for
+        assert build.nvshmem_options() == {}
 
 
 def test_constants_come_from_the_header():
     parsed = constants.parse_constants(constants.HEADER.read_text())
     assert parsed["MAX_RANKS"] == constants.MAX_RANKS == 8
     assert parsed["COMBINE_WARPS"] > parsed["COMBINE_KEEPER_WARPS"]
+    assert constants.ROLES[1] == "Barrier" and "ForwarderMeta" in constants.ROLES.values()
     assert constants.parse_constants("constexpr long long kBig = 12LL;\nconstexpr int kSmallOne = 3;") == {
         "BIG": 12, "SMALL_ONE": 3}
 
@@ -105,7 +125,8 @@ def test_compile_check_compiles_every_kernel_for_sm90_without_spills():
                           cwd=Path(build.PACKAGE_DIR).parent, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for kernel in ("get_dispatch_layout_kernel", "notify_dispatch_kernel", "cached_notify_kernel", "dispatch_kernel",
-                   "combine_kernel"):
+                   "combine_kernel", "internode_notify_kernel", "internode_cached_notify_kernel",
+                   "internode_dispatch_kernel", "internode_combine_kernel"):
         assert kernel in proc.stdout
     assert " 0 problems" in proc.stdout
 
@@ -116,7 +137,7 @@ INTERNODE_GRID = list(itertools.product([1, 65], [0, 1, 6, 300], [4, 288, 290], 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
 def test_python_internode_config_mirror_matches_the_header(tmp_path):
-    from kernels_cuda.internode_config import validate_internode
+    from kernels_cuda.internode_config import InternodeConfig, validate_internode
 
     probe = tmp_path / "probe"
     src = build.CSRC / "host" / "internode_config_probe.cpp"
@@ -127,6 +148,11 @@ def test_python_internode_config_mirror_matches_the_header(tmp_path):
     verdicts = set()
     for case, line in zip(INTERNODE_GRID, out):
         problem = validate_internode(*case)
-        assert line == ("OK" if problem is None else f"ERR {problem}"), case
-        verdicts.add(line.split(":")[0])
+        if problem is None:
+            channels, nvl_chunk, nvl_capacity, rdma_chunk, rdma_capacity, nodes, gpus, hidden, topk, _ = case
+            cfg = InternodeConfig(2 * channels, nvl_chunk, nvl_capacity, rdma_chunk, rdma_capacity)
+            assert line == "OK {} {}".format(*cfg.buffer_size_hints(nodes, gpus, hidden, topk)), case
+        else:
+            assert line == f"ERR {problem}", case
+        verdicts.add(line.split(":")[0] if problem else "OK")
     assert "OK" in verdicts and len(verdicts) >= 8  # the grid reaches every rule

@@ -15,29 +15,12 @@
 
 #include "../ep_diag.h"
 #include "../ep_params.h"
+#include "internode_runtime.h"
+#include "tensor_args.h"
 
 namespace py = pybind11;
 
 namespace {
-
-void check_cuda(cudaError_t status, const char* what) {
-    TORCH_CHECK(status == cudaSuccess, "kernels_cuda: ", what, ": ", cudaGetErrorString(status));
-}
-
-template <typename T>
-T* ptr_or_null(const py::dict& d, const char* key) {
-    if (!d.contains(key) || d[key].is_none()) return nullptr;
-    auto t = d[key].cast<at::Tensor>();
-    TORCH_CHECK(t.is_cuda(), "kernels_cuda: tensor '", key, "' must be on the GPU");
-    return static_cast<T*>(t.data_ptr());
-}
-
-template <typename T>
-T* ptr(const py::dict& d, const char* key) {
-    T* p = ptr_or_null<T>(d, key);
-    TORCH_CHECK(p != nullptr, "kernels_cuda: missing tensor '", key, "'");
-    return p;
-}
 
 class Runtime {
    public:
@@ -326,7 +309,7 @@ class Runtime {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "kernels_cuda: intranode EP dispatch/combine kernels (see kernels_cuda/buffer.py)";
+    m.doc() = "kernels_cuda: EP dispatch/combine kernels (see kernels_cuda/buffer.py, kernels_cuda/internode.py)";
     m.def("get_dispatch_layout", &Runtime::get_dispatch_layout);
     py::class_<Runtime>(m, "Runtime")
         .def(py::init<int, int, int64_t, bool>())
@@ -340,4 +323,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("error_record", &Runtime::error_record)
         .def_property_readonly("num_bytes", &Runtime::num_bytes)
         .def_property_readonly("emulated", &Runtime::emulated);
+    register_internode(m);
 }

@@ -8,52 +8,17 @@
 //     after the cached notify), announces it, waits for the data if present, then the warp sums.
 #include <climits>
 
-#include <cuda_bf16.h>
-
 #include "../ep_launch.cuh"
 #include "../ep_params.h"
 #include "../ep_ring.cuh"
 #include "../ep_transport.cuh"
+#include "../ep_vec.cuh"
 
 namespace ep {
 
 namespace {
 
 constexpr int kThreads = kCombineWarps * 32;
-
-template <typename T>
-struct Vec;
-template <>
-struct Vec<__nv_bfloat16> {
-    static constexpr int kElems = 8;
-    __device__ __forceinline__ static void add(float* acc, int4 v) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(h[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-        }
-    }
-    __device__ __forceinline__ static int4 pack(const float* acc) {
-        int4 v;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-        return v;
-    }
-};
-template <>
-struct Vec<float> {
-    static constexpr int kElems = 4;
-    __device__ __forceinline__ static void add(float* acc, int4 v) {
-        acc[0] += __int_as_float(v.x), acc[1] += __int_as_float(v.y);
-        acc[2] += __int_as_float(v.z), acc[3] += __int_as_float(v.w);
-    }
-    __device__ __forceinline__ static int4 pack(const float* acc) {
-        return make_int4(__float_as_int(acc[0]), __float_as_int(acc[1]), __float_as_int(acc[2]), __float_as_int(acc[3]));
-    }
-};
 
 template <Backend B>
 __device__ void combine_sender(const CombineParams& p, const CombineRankArgs& a, const Transport<B>& net, int channel) {

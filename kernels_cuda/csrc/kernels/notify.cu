@@ -7,8 +7,7 @@
 //   cached dispatch and before combine); the other blocks rewrite send_head for combine: every -1
 //   becomes -(next present slot)-1, the channel's count past the last present token, so that a
 //   combine reducer can advance its head over tokens absent from a ring without waiting.
-#include <climits>
-
+#include "../ep_heads.cuh"
 #include "../ep_launch.cuh"
 #include "../ep_params.h"
 #include "../ep_sync.cuh"
@@ -91,26 +90,6 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(cons
     }
 }
 
-// One warp rewrites the column of send_head for (channel, rank), scanning 32 tokens at a time
-// from the end with a suffix minimum of present slots.
-__device__ void rewrite_send_head(int* send_head, int num_ranks, int rank, int begin, int end, int past_end) {
-    int next = past_end;
-    for (int stop = end; stop > begin; stop -= 32) {
-        const int t = stop - 32 + lane_id();
-        const bool valid = t >= begin;
-        const int stored = valid ? send_head[static_cast<int64_t>(t) * num_ranks + rank] : -1;
-        int present = stored >= 0 ? stored : INT_MAX;
-        for (int offset = 1; offset < 32; offset *= 2) {
-            const int other = __shfl_down_sync(0xffffffffu, present, offset);
-            if (lane_id() + offset < 32) present = min(present, other);
-        }
-        // For an absent token the inclusive suffix minimum is that of the later tokens.
-        const int target = min(present, next);
-        if (valid && stored < 0) send_head[static_cast<int64_t>(t) * num_ranks + rank] = -target - 1;
-        next = min(next, __shfl_sync(0xffffffffu, present, 0));
-    }
-}
-
 template <Backend B>
 __global__ void __launch_bounds__(kNotifyThreads, 1) cached_notify_kernel(const __grid_constant__ CachedNotifyParams p) {
     const int blocks_per_rank = static_cast<int>(gridDim.x) / p.num_launch_ranks;
@@ -132,7 +111,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) cached_notify_kernel(const 
         channel_range(a.num_tokens, p.num_channels, channel, &begin, &end);
         const int* prefix = a.channel_prefix_matrix + rank * p.num_channels;
         const int count = prefix[channel] - (channel > 0 ? prefix[channel - 1] : 0);
-        rewrite_send_head(a.send_head, p.num_ranks, rank, begin, end, count);
+        rewrite_heads(a.send_head, p.num_ranks, rank, begin, end, count);
     }
 }
 

@@ -1,0 +1,26 @@
+// Helpers of the host bindings: CUDA error checks and tensor pointers out of per-rank dicts.
+#pragma once
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+
+namespace py = pybind11;
+
+inline void check_cuda(cudaError_t status, const char* what) {
+    TORCH_CHECK(status == cudaSuccess, "kernels_cuda: ", what, ": ", cudaGetErrorString(status));
+}
+
+template <typename T>
+inline T* ptr_or_null(const py::dict& d, const char* key) {
+    if (!d.contains(key) || d[key].is_none()) return nullptr;
+    auto t = d[key].cast<at::Tensor>();
+    TORCH_CHECK(t.is_cuda(), "kernels_cuda: tensor '", key, "' must be on the GPU");
+    return static_cast<T*>(t.data_ptr());
+}
+
+// A required tensor; an empty one (a rank that receives nothing) has a null data pointer, which the
+// kernels never dereference.
+template <typename T>
+inline T* ptr(const py::dict& d, const char* key) {
+    TORCH_CHECK(d.contains(key) && !d[key].is_none(), "kernels_cuda: missing tensor '", key, "'");
+    return ptr_or_null<T>(d, key);
+}
