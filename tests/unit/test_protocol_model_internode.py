@@ -103,3 +103,12 @@ def test_default_config_is_safe_and_violations_are_named():
     assert "multiple of num_nodes" in InternodeConfig(nvl_capacity=290).validate(4, 8, 14336, 8, 8)
     assert "num_nodes" in InternodeConfig().validate(1, 8, 14336, 8, 8)
     assert "gpus_per_node" in InternodeConfig().validate(2, 9, 14336, 8, 8)
+
+
+def test_kernel_blocks_hold_every_role_of_the_model():
+    # dispatch sender SM: the model's sender warps, their coordinator and one NVLink receiver per GPU;
+    # combine: NVLink senders + RDMA receivers + coordinator, and one forwarder per node + coordinator
+    parsed = C.CONSTANTS
+    assert parsed["INTERNODE_DISPATCH_WARPS"] == C.RDMA_SENDER_WARPS + 1 + C.MAX_NVL_PEERS
+    assert parsed["INTERNODE_COMBINE_WARPS"] == max(C.MAX_NVL_PEERS + C.RDMA_RECEIVER_WARPS + 1, C.MAX_RDMA_PEERS + 1)
+    assert C.MAX_RDMA_PEERS <= C.WARP_SIZE and C.MAX_NVL_PEERS <= C.WARP_SIZE  # one lane per node / GPU
