@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from moe_train.data.atomic import fsync_dir
 from parallel.sharded_state import model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -310,9 +311,9 @@ def _write_rank_files(tmp: Path, rng: dict[str, Any], extra: dict, text_files: d
 
 
 def _publish(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     _install(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     write_latest(root, step)
     _prune(root, step, keep)
 
@@ -379,15 +380,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = _tmp_name(path)
     _write_durable(tmp, data)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool, restore_rng: bool,
