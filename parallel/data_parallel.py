@@ -14,7 +14,7 @@ are those of the one-shot `reduce` (every rank must launch the same pieces in th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,15 +68,19 @@ class GradientSync:
         flat = _flatten_dense_tensors(grads)
         self.in_flight.append(_InFlight(dist.all_reduce(flat, group=group, async_op=True), flat, grads, scale))
 
-    def launch(self, params: Iterable[nn.Parameter]) -> None:
+    def launch(self, params: Iterable[nn.Parameter], dense_group: Optional[dist.ProcessGroup] = None,
+               expert_group: Optional[dist.ProcessGroup] = None) -> None:
         """Start reducing the gradients of `params` (final from now on): dense ones over dp, expert
-        ones over expert-dp, asynchronously; `finish` completes them."""
+        ones over expert-dp, asynchronously; `finish` completes them. Other groups may stand in
+        for dp and expert-dp (pipeline replicas: their pair x dp), the scale staying 1/dp."""
         topo = self.topology
         if topo is None:
             return
         params = list(params)
-        self._start([p for p in params if id(p) not in self.expert_ids], topo.dp_group, 1.0 / topo.dp)
-        self._start([p for p in params if id(p) in self.expert_ids], topo.expert_dp_group, 1.0 / topo.dp)
+        dense_group = topo.dp_group if dense_group is None else dense_group
+        expert_group = topo.expert_dp_group if expert_group is None else expert_group
+        self._start([p for p in params if id(p) not in self.expert_ids], dense_group, 1.0 / topo.dp)
+        self._start([p for p in params if id(p) in self.expert_ids], expert_group, 1.0 / topo.dp)
 
     def finish(self) -> None:
         """Wait for every launched reduction and write the averaged gradients back."""

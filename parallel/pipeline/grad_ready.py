@@ -31,15 +31,14 @@ class GradientReadiness:
 
     `stage_params` maps each local stage to the parameters its forward uses (a parameter may
     belong to several stages, e.g. the shared embedding of a V placement); `split` holds the ids
-    of deferred-W weights; `exclude` parameters are not tracked (reduced some other way).
+    of deferred-W weights.
     """
 
     def __init__(self, program: Sequence[Step], stage_params: Mapping[int, Sequence[nn.Parameter]],
-                 split: set[int], exclude: Iterable[nn.Parameter] = ()) -> None:
-        skip = {id(p) for p in exclude}
+                 split: set[int]) -> None:
         self._touched: dict[tuple[ActionKind, int], list[nn.Parameter]] = {}
         for stage, params in stage_params.items():
-            tracked = [p for p in dict.fromkeys(params) if id(p) not in skip]
+            tracked = list(dict.fromkeys(params))
             self._touched[(ActionKind.B, stage)] = [p for p in tracked if id(p) not in split]
             self._touched[(ActionKind.W, stage)] = [p for p in tracked if id(p) in split]
             self._touched[(ActionKind.BW, stage)] = tracked
@@ -47,8 +46,7 @@ class GradientReadiness:
         for action in self._compute_halves(program):
             for param in self._touched.get((action.kind, action.stage), ()):
                 self._initial[id(param)] += 1
-        untouched = [p for params in stage_params.values() for p in params
-                     if id(p) not in skip and not self._initial[id(p)]]
+        untouched = [p for params in stage_params.values() for p in params if not self._initial[id(p)]]
         if untouched:
             raise ScheduleError(f"{len(untouched)} parameters of the local stages get no gradient in this program")
         self._pending: Counter[int] = Counter()
@@ -76,3 +74,11 @@ class GradientReadiness:
         left = +self._pending
         if left:
             raise ScheduleError(f"{len(left)} parameters still wait for gradient contributions at the end of the step")
+
+
+def release_positions(program: Sequence[Step], stage_params: Mapping[int, Sequence[nn.Parameter]],
+                      split: set[int]) -> dict[int, int]:
+    """Parameter id -> index of the step of `program` after which its gradient is final."""
+    readiness = GradientReadiness(program, stage_params, split)
+    readiness.start()
+    return {id(p): i for i, step in enumerate(program) if isinstance(step, Action) for p in readiness.done(step)}

@@ -4,7 +4,8 @@ Builds the validated plan, cuts the model into stages, keeps this rank's `StageM
 the runtime and the replica sums together, and runs one step's micro-batches. Given the trainer's
 `GradientSync`, a step also starts the data-parallel reduction of each parameter as soon as its
 gradient is final (`grad_ready`); parameters another pipeline rank also holds (tied embedding,
-DualPipe mirrors) are summed over their pair first, after the step, then reduced.
+DualPipe mirrors) too, over their pair x dp in the canonical order of `replicas` (without `sync`,
+they are only summed over their pair, after the step).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from model.dispatcher import Dispatcher
 from parallel.data_parallel import GradientSync
 from parallel.topology import Topology, group_ranks
 
-from .grad_ready import GradientReadiness, split_weights
+from .grad_ready import GradientReadiness, release_positions, split_weights
 from .ir import Action, LoweredSchedule
 from .overlap import FBOverlap
 from .plan import plan
@@ -57,14 +58,20 @@ class ModelPipeline:
             stage.forward_context = forward_context
         pipelines = group_ranks(topology.world_size, topology.pp, topology.ep, topology.gpus_per_node).pp
         self.replicas = PipelineReplicas(self.model, placement, topology.pp_rank, pipelines,
-                                         tied_embedding=args.mtp_num_layers > 0, timeout_s=timeout_s)
+                                         tied_embedding=args.mtp_num_layers > 0, timeout_s=timeout_s,
+                                         ep=topology.ep)
         self.store = WeightGradStore()
         self.shape = (micro_batch_size, seq_length, args.hidden_size)
         self.runtime: Optional[PipelineRuntime] = None
         self.overlap = overlap
         program = lowered.programs[topology.pp_rank]
-        self.readiness = GradientReadiness(program, {s: stage.parameters() for s, stage in self.stages.items()},
-                                           split_weights([self.model]), exclude=self.replicas.params)
+        stage_params = {s: stage.parameters() for s, stage in self.stages.items()}
+        split = split_weights([self.model])
+        self.readiness = GradientReadiness(program, stage_params, split)
+        if self.replicas.mirror and self.replicas.pair is not None:  # both members hold the same stages
+            self.replicas.order_by_release([release_positions(lowered.programs[r], stage_params, split)
+                                            for r in self.replicas.pair])
+        self._replicated = {id(p) for p in self.replicas.params}
         self._sync: Optional[GradientSync] = None
 
     @property
@@ -83,28 +90,34 @@ class ModelPipeline:
 
     def _after_compute(self, action: Action) -> None:
         ready = self.readiness.done(action)
-        if ready and self._sync is not None:
-            self._sync.launch(ready)
+        if not ready or self._sync is None:
+            return
+        self._sync.launch([p for p in ready if id(p) not in self._replicated])
+        for param in self.replicas.release(p for p in ready if id(p) in self._replicated):
+            self._sync.launch([param], self.replicas.dense_group, self.replicas.expert_group)
 
     def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
              sync: Optional[GradientSync] = None) -> torch.Tensor:
         """Forward and backward of every micro-batch, replicated gradients summed; with `sync`,
-        gradients also reduced over data parallelism (complete on return).
+        gradients also reduced over data parallelism (complete on return), replicated ones summed
+        and reduced by one collective.
 
         Returns this rank's sum over micro-batches of [lm_loss, mtp_loss, aux_loss] x loss_scale
         (lm and mtp from the loss stage, aux from this rank's MoE layers), float64 on the model's device.
         """
         runtime = self._runtime()
         self.readiness.start()
+        self.replicas.start()
         self._sync = sync
         try:
             with split_backward(self.store):
                 zero_grad_buffers(self.model.parameters())
                 runtime.step(batches, loss_scale)
             self.readiness.assert_done()
-            self.replicas.reduce_gradients()
-            if sync is not None:
-                sync.launch(self.replicas.params)
+            if sync is None:
+                self.replicas.reduce_gradients()
+            else:
+                self.replicas.assert_released()
                 sync.finish()
         finally:
             self._sync = None

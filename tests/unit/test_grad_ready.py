@@ -12,8 +12,9 @@ from model.args import ModelArgs
 from model.init import initialize_parameters
 from model.moe import aux_loss_grad_scale
 from parallel.pipeline import plan
-from parallel.pipeline.grad_ready import GradientReadiness, split_weights
+from parallel.pipeline.grad_ready import GradientReadiness, release_positions, split_weights
 from parallel.pipeline.ir import Action
+from parallel.pipeline.replicas import release_order
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.stage import build_stages, stage_specs
 from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
@@ -64,3 +65,26 @@ def test_parameters_are_released_with_their_final_gradient(schedule):
 
         # the shared embedding waits for the first stage's last B, after the last stage's (the MTP's use)
         assert at("embed_tokens.weight") == at("layers.0.input_layernorm.weight") > at("norm.weight")
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dualpipe_release_order_waits_for_no_parameter(pp):
+    """Released in the pair's common order, a mirrored parameter goes no later (in program steps)
+    than the later of the points where the two members finish it; the model's order would hold
+    parameters back (every one waits for the embedding)."""
+    lowered = plan("dualpipe", pp, 8)
+    placement = lowered.schedule.placement
+    specs = stage_specs(ARGS, placement.num_stages)
+    for rank in range(pp // 2):
+        model, stages = build_stages(ARGS, specs, placement.stages_on(rank))
+        stage_params = {s: stage.parameters() for s, stage in stages.items()}
+        positions = [release_positions(lowered.programs[r], stage_params, split_weights([model]))
+                     for r in (rank, pp - 1 - rank)]
+        params = list(model.parameters())
+
+        def wait(order: list) -> list[int]:
+            released = [max(positions[0][id(p)] for p in order[:i + 1]) for i in range(len(order))]
+            return [at - max(pos[id(p)] for pos in positions) for p, at in zip(order, released)]
+
+        assert max(wait(release_order(params, positions))) <= 0, rank
+        assert max(wait(params)) > 0, rank
