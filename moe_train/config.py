@@ -43,12 +43,12 @@ class ParallelConfig:
     dispatcher: str = "auto"  # auto: local for ep 1, hierarchical when an EP group spans nodes, else alltoall
     zero1: bool = True
     timeout_s: float = 300.0
-    schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, dualpipe, dualpipev
+    schedule: str = "1f1b"  # pipeline schedule: see parallel.pipeline.builders.SCHEDULES
     virtual_stages: int = 1
     pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
     first_stage_layers: Optional[int] = None  # without a layout: decoder layers on the first stage
     last_stage_layers: Optional[int] = None  # without a layout: decoder layers on the last stage
-    overlap: bool = True  # FB actions (dualpipe, dualpipev) interleave their halves to hide all-to-alls
+    overlap: bool = True  # FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
 
 

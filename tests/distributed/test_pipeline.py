@@ -102,6 +102,7 @@ CASES = [
     ("dualpipe", 2, 4, None, None, 4, torch.float64),
     ("dualpipe", 4, 8, None, None, 4, torch.float32),
     ("dualpipev", 2, 4, None, "Ett|t|t|tmL", 5, torch.float64),
+    ("combined-1f1b", 2, 4, None, None, 4, torch.float64),
     ("dualpipev", 4, 8, None, "E|(t|)*6mL", 6, torch.float64),
 ]
 

@@ -9,6 +9,7 @@ UNEVEN = Costs(f=1.0, b=1.2, w=0.8, fb=2.5, comm=0.3)
 
 GRID = {
     "1f1b": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
+    "combined-1f1b": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16, 17)],
     "interleaved-1f1b": [(r, k * r, v) for r in (1, 2, 3, 4) for k in (1, 2, 4) for v in (2, 3)],
     "zb-h1": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
     "zb-h2": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
@@ -38,6 +39,9 @@ def test_every_builder_passes_all_validators(name, costs):
         ("1f1b", 0, 4, None, "ranks"),
         ("1f1b", 2, 0, None, "microbatches"),
         ("1f1b", 2, 4, 2, "virtual_stages"),
+        ("combined-1f1b", 0, 4, None, "ranks"),
+        ("combined-1f1b", 2, 0, None, "microbatches"),
+        ("combined-1f1b", 2, 4, 2, "virtual_stages"),
         ("interleaved-1f1b", 4, 6, 2, "microbatches"),
         ("interleaved-1f1b", 4, 8, 1, "virtual_stages"),
         ("zb-h1", 4, 8, 3, "virtual_stages"),
@@ -88,6 +92,22 @@ def test_dualpipe_programs_follow_the_eight_phases(name, ranks, microbatches):
         assert kinds[ActionKind.B] == kinds[ActionKind.W] == 2 * (depths - h - 1) + h + 1
         first_backward = next(i for i, a in enumerate(program) if a.kind is not ActionKind.F)
         assert first_backward == 2 * depths + (h == depths - 1)
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(1, 4), (4, 3), (4, 12), (8, 20)])
+def test_combined_1f1b_pairs_every_steady_state_forward_with_an_older_backward(ranks, microbatches):
+    """Rank r: 2(R-1-r)+1 warm-up F, then FB(F m+warm-up, BW m), then the remaining BW."""
+    schedule = build("combined-1f1b", ranks, microbatches)
+    for rank, program in enumerate(schedule.programs):
+        warmup = min(2 * (ranks - 1 - rank) + 1, microbatches)
+        pairs = [a for a in program if a.kind is ActionKind.FB]
+        assert [a.kind for a in program] == (
+            [ActionKind.F] * warmup + [ActionKind.FB] * len(pairs) + [ActionKind.BW] * warmup
+        )
+        assert [(a.microbatch, a.b_kind, a.b_microbatch) for a in pairs] == [
+            (m + warmup, ActionKind.BW, m) for m in range(microbatches - warmup)
+        ]
+        assert all(a.stage == a.b_stage == rank for a in pairs)
 
 
 def test_dualpipe_mirror_ranks_run_the_same_program_with_directions_swapped():

@@ -28,6 +28,34 @@ def test_1f1b_brief_values(ranks, microbatches, bubble):
     assert _run("1f1b", ranks, microbatches).bubble == pytest.approx(bubble)
 
 
+@pytest.mark.parametrize("gain", [0.0, 0.2, 1.0], ids=["fb=f+b+w", "fb-20%", "fb=max(f,b+w)"])
+@pytest.mark.parametrize("costs", COST_SETS)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_combined_1f1b_bubble_makespan_and_memory(ranks, costs, gain):
+    """The fill and drain sit in unpaired F's and BW's, so the bubble stays 1F1B's
+    (p-1)(F+B+W); every one of the last rank's M-1 pairs shortens the step by F+B+W-F&B.
+    Activations in flight double (2(p-r)) for the deeper warm-up. F&B runs from F+B+W (no
+    overlap gain) down to max(F, B+W) (the shorter half entirely hidden), ``gain`` of the way."""
+    full = costs.f + costs.b + costs.w
+    pair = full - gain * (full - max(costs.f, costs.b + costs.w))
+    costs = Costs(costs.f, costs.b, costs.w, None if gain == 0 else pair)
+    for microbatches in (2 * ranks, 3 * ranks + 1):
+        timeline = _run("combined-1f1b", ranks, microbatches, costs)
+        assert timeline.bubble == pytest.approx((ranks - 1) * full)
+        makespan = (ranks - 1) * full + full + (microbatches - 1) * pair
+        assert timeline.makespan == pytest.approx(makespan)
+        assert timeline.peak_activations == tuple(2.0 * (ranks - r) for r in range(ranks))
+
+
+@pytest.mark.parametrize("fb, makespan", [(None, 33.0), (3.0, 33.0), (2.4, 28.8), (2.0, 26.0)])
+def test_combined_1f1b_brief_values(fb, makespan):
+    """4 ranks, 8 micro-batches: 1F1B's 33 and bubble 9 at F&B = F+B+W, shorter steps below it."""
+    timeline = _run("combined-1f1b", 4, 8, Costs(fb=fb))
+    assert (timeline.makespan, timeline.bubble) == pytest.approx((makespan, 9.0))
+    assert timeline.makespan == pytest.approx(_run("1f1b", 4, 8).makespan - 7 * (3.0 - (fb or 3.0)))
+    assert timeline.span_bubble[-1] == pytest.approx(0.0)
+
+
 @pytest.mark.parametrize("costs", COST_SETS)
 @pytest.mark.parametrize("ranks, chunks", [(2, 2), (4, 2), (4, 3), (3, 4)])
 def test_interleaved_bubble_is_1f1b_bubble_of_one_chunk(ranks, chunks, costs):

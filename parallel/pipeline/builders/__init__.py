@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from ..ir import Schedule
 from ..timeline import Costs
 from .dualpipe import build_dualpipe, build_dualpipev
-from .one_f_one_b import build_1f1b, build_interleaved_1f1b
+from .one_f_one_b import build_1f1b, build_combined_1f1b, build_interleaved_1f1b
 from .zbv import build_zbv
 from .zero_bubble import build_zb_h1, build_zb_h2
 
@@ -20,6 +20,7 @@ Builder = Callable[[int, int, Optional[int], Optional[Costs]], Schedule]
 
 BUILDERS: dict[str, Builder] = {
     "1f1b": build_1f1b,
+    "combined-1f1b": build_combined_1f1b,
     "interleaved-1f1b": build_interleaved_1f1b,
     "zb-h1": build_zb_h1,
     "zb-h2": build_zb_h2,
@@ -49,6 +50,7 @@ __all__ = [
     "SCHEDULES",
     "build",
     "build_1f1b",
+    "build_combined_1f1b",
     "build_interleaved_1f1b",
     "build_zb_h1",
     "build_zb_h2",

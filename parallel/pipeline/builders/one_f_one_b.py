@@ -1,9 +1,10 @@
-"""1F1B and interleaved 1F1B (Megatron virtual pipeline stages), both with fused backward."""
+"""1F1B, combined 1F1B (its steady-state pairs as FB actions) and interleaved 1F1B (Megatron
+virtual pipeline stages), all with fused backward."""
 from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Action, Placement, Schedule
+from ..ir import Action, Placement, Schedule, fb
 from ..timeline import Costs
 from .common import backward, check_sizes, forward, require
 
@@ -78,3 +79,36 @@ def build_interleaved_1f1b(
         programs.append(tuple(program))
     placement = Placement("loop", ranks, ranks * chunks)
     return Schedule("interleaved-1f1b", placement, microbatches, tuple(programs))
+
+
+def build_combined_1f1b(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+) -> Schedule:
+    """Megatron's "combined 1F1B": 1F1B whose steady state runs FB(F of m+2(R-1-r)+1, BW of m).
+
+    An FB hands on its forward output only when both halves are done, so with 1F1B's warm-up
+    (one forward more per rank upstream) rank r's FB m would wait for rank r+1's FB m, which
+    waits for rank r's FB m-1: adjacent ranks would take turns. Rank r therefore warms up with
+    2(R-1-r)+1 forwards (the last rank 1, so its forward pairs with an older backward): the
+    upstream rank is always one FB ahead, and the steady state runs back to back. The price is
+    2(R-r) micro-batches of activations in flight on rank r, 1F1B's R-r doubled.
+    Requirements: as 1f1b.
+    """
+    check_sizes("combined-1f1b", ranks, microbatches, virtual_stages, 1)
+    programs = []
+    for rank in range(ranks):
+        warmup = min(2 * (ranks - 1 - rank) + 1, microbatches)
+        program = [forward(rank, m) for m in range(warmup)]
+        program += [
+            fb(forward(rank, warmup + m), backward(rank, m, split=False))
+            for m in range(microbatches - warmup)
+        ]
+        program += [
+            backward(rank, m, split=False) for m in range(microbatches - warmup, microbatches)
+        ]
+        programs.append(tuple(program))
+    placement = Placement("loop", ranks, ranks)
+    return Schedule("combined-1f1b", placement, microbatches, tuple(programs))
