@@ -48,6 +48,7 @@ class ParallelConfig:
     pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
     first_stage_layers: Optional[int] = None  # without a layout: decoder layers on the first stage
     last_stage_layers: Optional[int] = None  # without a layout: decoder layers on the last stage
+    comm_sms: int = 20  # SMs the native dispatch/combine kernels may use (2 per channel)
     overlap: bool = True  # FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
 
@@ -291,6 +292,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
             problems.append((f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}"))
     if p.ep >= 1 and config.model.num_moe_experts % p.ep:
         problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
+    if p.comm_sms < 2 or p.comm_sms % 2:
+        problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
     if p.timeout_s <= 0:
         problems.append(("parallel.timeout_s", "must be positive"))
     if c.keep < 1:

@@ -108,7 +108,8 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(prefix, config.train.seq_length, config.train.seed,
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
-        dispatcher = make_dispatcher(choose_dispatcher(config, topology), topology, config.model.num_moe_experts)
+        dispatcher = make_dispatcher(choose_dispatcher(config, topology), topology, config.model.num_moe_experts,
+                                     comm_sms=config.parallel.comm_sms)
         self.pipeline: ModelPipeline | None = None
         if topology is not None and topology.pp > 1:
             lowered, specs = plan_pipeline(config, topology.dp)

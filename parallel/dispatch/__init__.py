@@ -18,6 +18,7 @@ from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, ExchangeDispatcher, Traffic
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
+from kernels_cuda.config import Config
 from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
 from parallel.topology import Topology
 
@@ -35,7 +36,8 @@ class LocalBackend(LocalDispatcher):
         self.traffic = Traffic()
 
 
-def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool) -> NativeDispatcher:
+def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool,
+                 comm_sms: int | None) -> NativeDispatcher:
     import torch
 
     import kernels_cuda
@@ -60,7 +62,8 @@ def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int,
     if constants.DISPATCH_WARPS % ep or constants.COMBINE_WARPS % ep:
         raise DispatcherUnavailable(f"dispatcher 'native': the intranode kernels split their warps evenly over the "
                                     f"ranks, which {ep} ranks cannot do; use 'alltoall'")
-    return NativeDispatcher(process_group_buffer_factory(group), num_experts, ep, rank, per_node, fp8)
+    config = Config() if comm_sms is None else Config(num_sms=comm_sms)
+    return NativeDispatcher(process_group_buffer_factory(group, config), num_experts, ep, rank, per_node, fp8, config)
 
 
 def _check_deepep() -> None:
@@ -70,8 +73,11 @@ def _check_deepep() -> None:
 
 
 def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num_experts: int,
-                    *, fp8: bool = False) -> Dispatcher:
+                    *, fp8: bool = False, comm_sms: int | None = None) -> Dispatcher:
     """The backend `name` for this rank's EP group; `fp8` sends the dispatch payload as e4m3.
+
+    `comm_sms` is the SM budget of the `native` kernels (2 per channel; default 20, DeepSeek-V3's
+    figure); the other backends communicate through torch.distributed and ignore it.
 
     `topology_or_comms` is a built `Topology` (its ep, intra-node and rail groups are used) or
     `EPComms` (e.g. simulated ones); it may be None for `local`.
@@ -79,7 +85,7 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
     if name not in BACKENDS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "native":
-        return _make_native(topology_or_comms, num_experts, fp8)
+        return _make_native(topology_or_comms, num_experts, fp8, comm_sms)
     if name == "deepep":
         _check_deepep()
     if name == "local":

@@ -27,6 +27,7 @@ from kernels_cuda.config import Config
 from model.dispatcher import Layout
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
 from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
+from parallel.dispatch.handles import StreamHandle, comm_stream, complete
 from parallel.dispatch.layout import compute_layout
 
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels' combine can sum
@@ -42,16 +43,47 @@ class NativeHandle:
     received: list[int]      # rows this rank received from each rank in dispatch
 
 
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def on_comm_stream(fn: Callable[[], Any], inputs: tuple[torch.Tensor, ...]) -> Any:
+    """Run the buffer call `fn`; inside an overlapped pair on CUDA its kernels go to the pair's
+    communication stream (whose SMs are the buffer's `num_sms` budget) and the other chunk computes
+    until they finish, as the all-to-alls of the pure-torch backends do."""
+    device = inputs[0].device
+    stream = comm_stream(device)
+    if stream is None:
+        return fn()
+    compute = torch.cuda.current_stream(device)
+    stream.wait_stream(compute)
+    with torch.cuda.stream(stream):
+        out = fn()
+        event = torch.cuda.Event()
+        event.record(stream)
+    for tensor in inputs:
+        tensor.record_stream(stream)
+    complete(StreamHandle(None, event))
+    for tensor in _tensors(out):
+        tensor.record_stream(compute)
+    return out
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: NativeDispatcher, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_idx: torch.Tensor, layout: Layout):
         buffer = backend.buffer_for(x, topk_idx.shape[1])
         payload = quantize_e4m3(x) if backend.fp8 else x.contiguous()
-        recv, local, recv_w, per_expert, handle, _ = buffer.dispatch(
+        idx, weights = topk_idx.long().contiguous(), topk_weights.float().contiguous()
+        recv, local, recv_w, per_expert, handle, _ = on_comm_stream(lambda: buffer.dispatch(
             payload, num_tokens_per_rank=layout.num_tokens_per_rank, is_token_in_rank=layout.is_token_in_rank,
-            num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=topk_idx.long().contiguous(),
-            topk_weights=topk_weights.float().contiguous())
+            num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=idx, topk_weights=weights),
+            (idx, weights, *_tensors(payload)))
         recv_x = dequantize_e4m3(recv[0], recv[1], x.dtype) if backend.fp8 else recv
         local = local.to(topk_idx.dtype)
         recv_w = recv_w.to(topk_weights.dtype)
@@ -73,7 +105,9 @@ class _Dispatch(torch.autograd.Function):
         grad_x = grad_x.contiguous()
         backend.check_payload(grad_x)
         buffer = backend.buffer_for(grad_x, native.num_topk)
-        combined, combined_w, _ = buffer.combine(grad_x, native.handle, topk_weights=grad_weights.float())
+        grad_w32 = grad_weights.float()
+        combined, combined_w, _ = on_comm_stream(
+            lambda: buffer.combine(grad_x, native.handle, topk_weights=grad_w32), (grad_x, grad_w32))
         backend.count(COMBINE, native.received,
                       grad_x.shape[1] * grad_x.element_size() + grad_weights.shape[1] * grad_weights.element_size())
         return None, combined, combined_w.to(ctx.weights_dtype), None, None
@@ -83,7 +117,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: NativeDispatcher, y: torch.Tensor, native: NativeHandle):
         backend.check_payload(y)
-        combined, _, _ = backend.buffer_for(y, native.num_topk).combine(y.contiguous(), native.handle)
+        buffer, y = backend.buffer_for(y, native.num_topk), y.contiguous()
+        combined, _, _ = on_comm_stream(lambda: buffer.combine(y, native.handle), (y,))
         backend.count(COMBINE, native.received, y.shape[1] * y.element_size())
         ctx.backend, ctx.native = backend, native
         return combined
@@ -92,7 +127,8 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad):
         backend, native = ctx.backend, ctx.native
         grad = grad.contiguous()
-        recv, *_ = backend.buffer_for(grad, native.num_topk).dispatch(grad, handle=native.handle)
+        buffer = backend.buffer_for(grad, native.num_topk)
+        recv, *_ = on_comm_stream(lambda: buffer.dispatch(grad, handle=native.handle), (grad,))
         backend.count(DISPATCH, native.sent, grad.shape[1] * grad.element_size())
         return None, recv, None
 

@@ -56,6 +56,7 @@ def test_wrong_types_name_the_key():
     (["model.rope_type=ntk"], "model.rope_type", "must be one of"),
     (["parallel.dispatcher=nccl"], "parallel.dispatcher", "must be one of"),
     (["parallel.ep=3"], "parallel.ep", "not divisible"),
+    (["parallel.comm_sms=7"], "parallel.comm_sms", "even number"),
     (["train.seq_length=8192"], "train.seq_length", "max_position_embeddings"),
 ])
 def test_impossible_combinations(overrides, key, fragment):
