@@ -49,7 +49,7 @@ def test_failure_in_one_chunk_ends_the_pair(pools):
         pools.get(2).run(interleaved_pair, True, deadline_s=60)
 
 
-def train_both_ways(cache_dir: str, run_dir: str, steps: int) -> dict:
+def train_both_ways(cache_dir: str, run_dir: str, steps: int, schedule: str) -> dict:
     import torch.distributed as dist
 
     out = {}
@@ -58,7 +58,7 @@ def train_both_ways(cache_dir: str, run_dir: str, steps: int) -> dict:
         trainer = None
         try:
             config = tiny_config(cache_dir, f"{run_dir}_{overlap}", "train.seq_length=16", "train.global_batch_size=16",
-                                 "parallel.pp=2", "parallel.ep=2", "parallel.schedule=dualpipev",
+                                 "parallel.pp=2", "parallel.ep=2", f"parallel.schedule={schedule}",
                                  "parallel.dispatcher=hierarchical", f"parallel.overlap={str(overlap).lower()}")
             trainer = Trainer(config, topology)
             losses, grads = [], []
@@ -77,8 +77,9 @@ def train_both_ways(cache_dir: str, run_dir: str, steps: int) -> dict:
     return out
 
 
-def test_dualpipev_overlap_is_bitwise_equal(pools, corpus_cache, tmp_path):  # noqa: F811
-    results = pools.get(4).run(train_both_ways, corpus_cache, str(tmp_path / "run"), 2, deadline_s=300)
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_dualpipe_overlap_is_bitwise_equal(pools, corpus_cache, tmp_path, schedule):  # noqa: F811
+    results = pools.get(4).run(train_both_ways, corpus_cache, str(tmp_path / "run"), 2, schedule, deadline_s=300)
     for rank, result in enumerate(results):
         plain, overlapped = result[False], result[True]
         pairs, hidden = overlapped["stats"]
