@@ -21,10 +21,10 @@ Rules for tasks:
   (`dist.destroy_process_group(group)`, `Topology.destroy_groups()`). Seed inside the task.
 - Every collective has a timeout (the default group's `timeout_s`; give subgroups one too), so a
   rank waiting for a peer that never comes raises instead of hanging.
-- An exception on any rank raises `WorkerError` naming the rank, with the worker's traceback. If
-  the other ranks do not answer within `grace_s` (they are usually stuck in a collective with the
-  failed rank), or the task outlives `run(..., deadline_s=...)`, or a worker dies, the pool is
-  torn down and the next `get` starts a fresh one.
+- An exception on any rank raises `WorkerError` naming the rank, with the worker's traceback
+  (other ranks that do not answer within `grace_s` are usually stuck in a collective with the
+  failed rank). After any failure, a task outliving `run(..., deadline_s=...)` or a dead worker,
+  the pool is torn down (its gloo group may be broken) and the next `get` starts a fresh one.
 - Workers use one torch thread each (the machine has few cores).
 - At session end `PoolSet.close()` makes every worker destroy its process group and exit.
 """
@@ -123,7 +123,7 @@ class WorkerPool:
                     errors[rank] = value
                 else:
                     results[rank] = value
-        if pending:
+        if pending or errors:  # a failed task may leave the gloo group broken: the next get starts afresh
             self.close(force=True)
         if errors:
             report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(errors.items()))

@@ -34,7 +34,7 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
     topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
     try:
         config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}")
-        reference = Trainer(tiny_config(cache_dir, run_dir + "_ref"))
+        reference = Trainer(tiny_config(cache_dir, f"{run_dir}_ref{dist.get_rank()}"))  # one log dir per rank
         trainer = Trainer(config, topology)
         first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
