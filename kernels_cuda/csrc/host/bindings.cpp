@@ -284,14 +284,7 @@ class Runtime {
         TORCH_CHECK(error == nullptr, "kernels_cuda: invalid config: ", error);
     }
 
-    std::string describe_error() const {
-        const ep::ErrorRecord& e = *error_;
-        if (e.code == 0) return "no device timeout recorded";
-        return "device timeout: role=" + std::to_string(e.role) + " rank=" + std::to_string(e.rank) +
-               " channel=" + std::to_string(e.channel) + " peer=" + std::to_string(e.peer) +
-               " head=" + std::to_string(e.head) + " tail=" + std::to_string(e.tail) +
-               " expected=" + std::to_string(e.expected);
-    }
+    std::string describe_error() const { return describe_timeout(*error_); }
 
     int rank_, num_ranks_;
     int64_t num_bytes_;

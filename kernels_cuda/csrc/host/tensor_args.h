@@ -1,7 +1,12 @@
-// Helpers of the host bindings: CUDA error checks and tensor pointers out of per-rank dicts.
+// Helpers of the host bindings: CUDA error checks, tensor pointers out of per-rank dicts, and the
+// text of a device timeout record.
 #pragma once
 #include <cuda_runtime.h>
 #include <torch/extension.h>
+
+#include <string>
+
+#include "../ep_diag.h"
 
 namespace py = pybind11;
 
@@ -23,4 +28,13 @@ template <typename T>
 inline T* ptr(const py::dict& d, const char* key) {
     TORCH_CHECK(d.contains(key) && !d[key].is_none(), "kernels_cuda: missing tensor '", key, "'");
     return ptr_or_null<T>(d, key);
+}
+
+// What a trapped spin loop recorded (role, rank, channel, peer and the counters it waited on).
+inline std::string describe_timeout(const ep::ErrorRecord& e) {
+    if (e.code == 0) return "no device timeout recorded";
+    return "device timeout: role=" + std::to_string(e.role) + " rank=" + std::to_string(e.rank) +
+           " channel=" + std::to_string(e.channel) + " peer=" + std::to_string(e.peer) +
+           " head=" + std::to_string(e.head) + " tail=" + std::to_string(e.tail) +
+           " expected=" + std::to_string(e.expected);
 }
