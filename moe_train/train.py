@@ -172,7 +172,7 @@ class Trainer:
                 out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale)
             with aux_loss_grad_scale(scale):
                 (out.loss * scale).backward()
-            sums += torch.tensor([getattr(out, part).item() for part in parts], dtype=torch.float64) * scale
+            sums += torch.stack([getattr(out, part).detach().double() for part in parts]).cpu() * scale  # one sync
         dp = 1 if self.topology is None else self.topology.dp
         return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).tolist()))
 
