@@ -30,6 +30,7 @@ setup(
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
         "gpu": ["ninja"],
+        "nvshmem": ["nvidia-nvshmem-cu13"],
     },
     entry_points={"console_scripts": ["moe-train=moe_train.train:main"]},
     ext_modules=_cuda_build.cuda_ext_modules(),

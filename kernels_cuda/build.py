@@ -18,6 +18,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC = PACKAGE_DIR / "csrc"
 CUDA_SOURCES = sorted((CSRC / "kernels").glob("*.cu"))
 HOST_SOURCES = [CSRC / "host" / "bindings.cpp", CSRC / "host" / "internode_runtime.cpp"]
+# Kernel sources with a Backend::kNvshmem instantiation, and the NVSHMEM set-up (host code, compiled by
+# nvcc so that NVSHMEM's initialisation is device-linked with those kernels): NVSHMEM builds only.
+NVSHMEM_KERNEL_SOURCES = [p for p in CUDA_SOURCES if p.name.startswith("internode_")]
+NVSHMEM_SOURCES = [CSRC / "host" / "nvshmem_world.cu"]
 # No Hopper-only instructions (TMA, wgmma, setmaxnreg) are used yet, so plain sm_90 suffices;
 # switch to compute_90a/sm_90a when they are.
 ARCH_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
@@ -27,12 +31,14 @@ CXX_FLAGS = ["-O3", f"-I{CSRC}"]
 # Device sources alone (compile_check) need only C++17.
 DEVICE_ONLY_FLAGS = ["-std=c++17"]
 ENV_SWITCH = "MOE_TRAIN_BUILD_CUDA"
-# The internode kernels' NVSHMEM back end (Backend::kNvshmem) is compiled only when asked for with
+# The internode kernels' NVSHMEM back end (Backend::kNvshmem, kernels_cuda.InternodeBuffer: one EP
+# rank per process, the RDMA hop through NVSHMEM) is compiled only when asked for with
 # MOE_TRAIN_NVSHMEM=1 and NVSHMEM is found ($NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel); it
-# needs relocatable device code linked against libnvshmem_device. Everywhere else the build skips
-# it and the internode kernels run on EMULATED ranks only. (Its host initialisation, a unique id
-# broadcast through torch.distributed, is not written yet.)
+# needs relocatable device code, device-linked against libnvshmem_device. Everywhere else the build
+# skips it and the internode kernels run on EMULATED ranks only. `python -m kernels_cuda.compile_check`
+# compiles and links it whenever NVSHMEM is found.
 NVSHMEM_SWITCH = "MOE_TRAIN_NVSHMEM"
+NVSHMEM_HOW = f"set {NVSHMEM_SWITCH}=1 and install nvidia-nvshmem-cu13 (or set NVSHMEM_HOME), then rebuild"
 
 
 def find_nvcc() -> str | None:
@@ -58,13 +64,42 @@ def find_nvshmem() -> Path | None:
     return next((root for root in roots if (root / "include" / "nvshmem.h").is_file()), None)
 
 
+# torch compiles every .cu file with -D__CUDA_NO_HALF_OPERATORS__ and friends (COMMON_NVCC_FLAGS), which
+# breaks nvshmem.h (its device reductions use half operators); these flags, placed after torch's, undo them.
+NVSHMEM_HALF_OPERATORS = ["-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                          "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+
+
+def nvshmem_host_library(root: Path) -> str:
+    """The name to link NVSHMEM's host library by: the wheel ships only its soname (libnvshmem_host.so.3),
+    which GNU ld takes as `-l:libnvshmem_host.so.3`."""
+    lib = root / "lib"
+    if (lib / "libnvshmem_host.so").exists():
+        return "nvshmem_host"
+    sonames = sorted(lib.glob("libnvshmem_host.so.*"))
+    return f":{sonames[0].name}" if sonames else "nvshmem_host"
+
+
+def nvshmem_flags(root: Path) -> dict[str, list[str]]:
+    """Compile and link flags of the NVSHMEM back end for the NVSHMEM installation at `root`.
+
+    "nvcc_dlink" is torch's device-link step (BuildExtension adds -fPIC, and our arch flags keep it
+    from adding its own). It is passed directly rather than through CUDAExtension(dlink=True), which
+    would add -dlto: our objects carry SASS, not LTO IR. libnvshmem_device is linked twice: its device
+    code in the device link, its host part (nvshmemi_init_thread) in the final link.
+    """
+    include, lib = root / "include", root / "lib"
+    return {"nvcc": ["-DEP_WITH_NVSHMEM", f"-I{include}", "-rdc=true", *NVSHMEM_HALF_OPERATORS],
+            "cxx": ["-DEP_WITH_NVSHMEM", f"-I{include}"],
+            "nvcc_dlink": ["-dlink", *ARCH_FLAGS, f"-L{lib}", "-lnvshmem_device"],
+            "library_dirs": [str(lib)], "runtime_library_dirs": [str(lib)],
+            "libraries": ["nvshmem_device", nvshmem_host_library(root)]}
+
+
 def nvshmem_options() -> dict[str, list[str]]:
-    """Extra nvcc flags and libraries for the NVSHMEM back end, or {} when it is skipped."""
+    """`nvshmem_flags` when MOE_TRAIN_NVSHMEM=1 and NVSHMEM is found, else {} (the back end is skipped)."""
     root = find_nvshmem() if os.environ.get(NVSHMEM_SWITCH) == "1" else None
-    if root is None:
-        return {}
-    return {"nvcc": ["-DEP_WITH_NVSHMEM", f"-I{root / 'include'}", "-rdc=true"],
-            "library_dirs": [str(root / "lib")], "libraries": ["nvshmem_host", "nvshmem_device"]}
+    return {} if root is None else nvshmem_flags(root)
 
 
 def build_decision() -> tuple[bool, str]:
@@ -98,12 +133,19 @@ def cuda_ext_modules() -> list[Any]:
 
     root = PACKAGE_DIR.parent
     nvshmem = nvshmem_options()
-    print(f"kernels_cuda: NVSHMEM back end {'on' if nvshmem else f'skipped (set {NVSHMEM_SWITCH}=1 and NVSHMEM_HOME)'}")
+    print(f"kernels_cuda: NVSHMEM back end {'on' if nvshmem else f'skipped ({NVSHMEM_HOW})'}")
+    if nvshmem and shutil.which("ninja") is None:
+        raise RuntimeError("kernels_cuda: the NVSHMEM back end needs ninja (pip install ninja): torch runs its "
+                           "device-link step only in ninja builds")
+    sources = [*HOST_SOURCES, *CUDA_SOURCES, *(NVSHMEM_SOURCES if nvshmem else [])]
+    compile_args = {"cxx": [*CXX_FLAGS, *nvshmem.get("cxx", [])],
+                    "nvcc": [*NVCC_FLAGS, *ARCH_FLAGS, *nvshmem.get("nvcc", [])]}
+    if nvshmem:
+        compile_args["nvcc_dlink"] = nvshmem["nvcc_dlink"]
     return [CUDAExtension(
-        name="kernels_cuda._C",
-        sources=[str(p.relative_to(root)) for p in [*HOST_SOURCES, *CUDA_SOURCES]],
-        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": [*NVCC_FLAGS, *ARCH_FLAGS, *nvshmem.get("nvcc", [])]},
-        library_dirs=nvshmem.get("library_dirs", []), libraries=nvshmem.get("libraries", []), dlink=bool(nvshmem),
+        name="kernels_cuda._C", sources=[str(p.relative_to(root)) for p in sources], extra_compile_args=compile_args,
+        library_dirs=nvshmem.get("library_dirs", []), runtime_library_dirs=nvshmem.get("runtime_library_dirs", []),
+        libraries=nvshmem.get("libraries", []),
     )]
 
 

@@ -120,15 +120,16 @@ ptxas info    : Used 90 registers, used 1 barriers, 16 bytes cumulative stack si
 
 
 @pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
-def test_compile_check_compiles_every_kernel_for_sm90_without_spills():
-    proc = subprocess.run([sys.executable, "-m", "kernels_cuda.compile_check"], capture_output=True, text=True,
-                          cwd=Path(build.PACKAGE_DIR).parent, timeout=600)
+def test_compile_check_compiles_every_kernel_for_sm90_without_spills_and_the_host_sources():
+    # the NVSHMEM pass has its own test (tests/unit/test_compile_check.py)
+    proc = subprocess.run([sys.executable, "-m", "kernels_cuda.compile_check", "--passes", "device,host", "--jobs", "2"],
+                          capture_output=True, text=True, cwd=Path(build.PACKAGE_DIR).parent, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for kernel in ("get_dispatch_layout_kernel", "notify_dispatch_kernel", "cached_notify_kernel", "dispatch_kernel",
                    "combine_kernel", "internode_notify_kernel", "internode_cached_notify_kernel",
                    "internode_dispatch_kernel", "internode_combine_kernel"):
         assert kernel in proc.stdout
-    assert " 0 problems" in proc.stdout
+    assert " 0 problems" in proc.stdout and "bindings.cpp" in proc.stdout and "internode_runtime.cpp" in proc.stdout
 
 
 INTERNODE_GRID = list(itertools.product([1, 65], [0, 1, 6, 300], [4, 288, 290], [1, 16, 64], [7, 128, 130],
