@@ -2,8 +2,10 @@
 
 `is_built()` / `build_status()` say whether the extension `kernels_cuda._C` is importable here;
 `Buffer` (one rank per process, NVLink peers), `EmulatedGroup` (every rank in one process on one
-GPU) and `EmulatedInternodeGroup` (nodes x GPUs emulated likewise, two-hop kernels) raise
-`KernelsNotBuilt` with that reason when it is not. Nothing here needs CUDA to import.
+GPU), `EmulatedInternodeGroup` (nodes x GPUs emulated likewise, two-hop kernels) and
+`InternodeBuffer` (one rank per process across nodes, NVSHMEM for the RDMA hop) raise
+`KernelsNotBuilt` with that reason when it is not (`InternodeBuffer` also when the extension was
+built without NVSHMEM). Nothing here needs CUDA to import.
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ def require_built() -> object:
 
 
 from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs require_built)
-from kernels_cuda.internode import EmulatedInternodeGroup, InternodeHandle  # noqa: E402
+from kernels_cuda.internode import EmulatedInternodeGroup, InternodeBuffer, InternodeHandle  # noqa: E402
 from kernels_cuda.internode_config import InternodeConfig  # noqa: E402
 
-__all__ = ["Buffer", "Config", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle", "InternodeConfig",
-           "InternodeHandle", "KernelsNotBuilt", "build_status", "is_built", "require_built"]
+__all__ = ["Buffer", "Config", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle", "InternodeBuffer",
+           "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "build_status", "is_built", "require_built"]

@@ -6,9 +6,9 @@ events, as deep_ep.Buffer's intranode path). `EmulatedGroup(num_ranks, num_nvl_b
 in this process on one GPU, all ranks' buffers in one allocation; the same calls take and return
 one entry per rank, and one kernel launch covers all ranks.
 
-Simplification (for now): ops run on the caller's current stream; `previous_event` is waited on,
-`async_finish` returns an event recorded after the op, `allocate_on_comm_stream` is accepted and
-ignored.
+A `Buffer` runs its ops on its own communication stream with DeepEP's `previous_event` /
+`async_finish` / `allocate_on_comm_stream` semantics (`kernels_cuda.streams`); an `EmulatedGroup`
+runs on the caller's stream.
 """
 from __future__ import annotations
 
@@ -19,19 +19,9 @@ import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config
+from kernels_cuda.streams import CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
-
-
-class EventOverlap:
-    """A CUDA event marking the end of an op (None when the op was synchronous)."""
-
-    def __init__(self, event: torch.cuda.Event | None = None) -> None:
-        self.event = event
-
-    def current_stream_wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
 
 
 @dataclass
@@ -48,14 +38,6 @@ class Handle:
     config: Config
 
 
-def _event_after(async_finish: bool) -> EventOverlap:
-    if not async_finish:
-        return EventOverlap()
-    event = torch.cuda.Event()
-    event.record()
-    return EventOverlap(event)
-
-
 class _Engine:
     """Per-rank lists of tensors -> kernel launches; shared by Buffer and EmulatedGroup."""
 
@@ -64,9 +46,11 @@ class _Engine:
         self.runtime, self.ext, self.num_ranks, self.config = runtime, ext, num_ranks, config
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
 
-    def layout(self, topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
-        per_rank, _per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
-            topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
+    def layout(self, topk_idx: torch.Tensor, num_experts: int,
+               op: CurrentStreamOp = CurrentStreamOp()) -> tuple[torch.Tensor, ...]:
+        with op.launching():  # the extension allocates its outputs where it launches
+            per_rank, _per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
+                topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
         return per_rank, per_expert, in_rank
 
     def _check(self, config: Config, hidden_bytes: int, num_topk: int, num_experts: int) -> None:
@@ -77,7 +61,8 @@ class _Engine:
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[tuple[torch.Tensor, ...] | None],
                  handles: Sequence[Handle | None], num_experts: int, expert_alignment: int, num_worst_tokens: int,
-                 config: Config | None, stalled_rank: int = -1) -> list[tuple]:
+                 config: Config | None, stalled_rank: int = -1, op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple]:
+        """Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
         config = config or self.config
         cached = handles[0] is not None
         payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
@@ -90,22 +75,25 @@ class _Engine:
 
         if cached:
             prefix = [(h.rank_prefix_matrix, h.channel_prefix_matrix, h.is_token_in_rank) for h in handles]
-            self.runtime.cached_notify([
-                {"rank": r, "num_tokens": x[0].shape[0], "send_head": None, "channel_prefix_matrix": p[1]}
-                for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
+            with op.launching():
+                self.runtime.cached_notify([
+                    {"rank": r, "num_tokens": x[0].shape[0], "send_head": None, "channel_prefix_matrix": p[1]}
+                    for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
             received = [(h.num_recv_tokens, []) for h in handles]
         else:
-            # the kernels index these densely: int32 counts, contiguous bool [N, R]
-            layouts = [(lay[0].int().contiguous(), lay[1].int().contiguous(), lay[2].bool().contiguous())
-                       for lay in layouts]
-            prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
-                       torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
-            self.runtime.notify_dispatch([
-                {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
-                 "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
-                 "channel_prefix_matrix": p[1]}
-                for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
-                num_experts, channels, expert_alignment, self.timeout_cycles)
+            with op.launching():  # the kernels index these densely: int32 counts, contiguous bool [N, R]
+                layouts = [(lay[0].int().contiguous(), lay[1].int().contiguous(), lay[2].bool().contiguous())
+                           for lay in layouts]
+            with op.allocating():
+                prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
+                           torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
+            with op.launching():
+                self.runtime.notify_dispatch([
+                    {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
+                     "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
+                     "channel_prefix_matrix": p[1]}
+                    for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
+                    num_experts, channels, expert_alignment, self.timeout_cycles)
             if num_worst_tokens > 0:
                 received = [(num_worst_tokens, []) for _ in ranks]
             else:
@@ -113,30 +101,34 @@ class _Engine:
 
         args, outputs = [], []
         for r, (x, x_scales), idx, weights, p, (num_recv, _) in zip(ranks, payloads, topk_idx, topk_weights, prefix, received):
-            out = {
-                "recv_x": torch.empty(num_recv, x.shape[1], dtype=x.dtype, device=device),
-                "recv_x_scales": None if x_scales is None else
-                torch.empty(num_recv, x_scales.shape[1], dtype=torch.float32, device=device),
-                "recv_src_idx": torch.empty(num_recv, dtype=torch.int32, device=device),
-                "recv_topk_idx": None if idx is None else torch.empty(num_recv, num_topk, dtype=torch.int64, device=device),
-                "recv_topk_weights": None if idx is None else
-                torch.empty(num_recv, num_topk, dtype=torch.float32, device=device),
-                "recv_channel_offset": torch.empty(R, channels, dtype=torch.int32, device=device),
-                "send_head": torch.empty(x.shape[0], R, dtype=torch.int32, device=device),
-            }
-            args.append({
-                "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
-                "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
-                "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
-                "topk_idx": None if idx is None else idx.contiguous(),
-                "topk_weights": None if idx is None else weights.float().contiguous(),
-                "is_token_in_rank": p[2], "channel_prefix_matrix": p[1], "rank_prefix_matrix": p[0], **out})
+            with op.allocating():
+                out = {
+                    "recv_x": torch.empty(num_recv, x.shape[1], dtype=x.dtype, device=device),
+                    "recv_x_scales": None if x_scales is None else
+                    torch.empty(num_recv, x_scales.shape[1], dtype=torch.float32, device=device),
+                    "recv_src_idx": torch.empty(num_recv, dtype=torch.int32, device=device),
+                    "recv_topk_idx": None if idx is None else
+                    torch.empty(num_recv, num_topk, dtype=torch.int64, device=device),
+                    "recv_topk_weights": None if idx is None else
+                    torch.empty(num_recv, num_topk, dtype=torch.float32, device=device),
+                    "recv_channel_offset": torch.empty(R, channels, dtype=torch.int32, device=device),
+                    "send_head": torch.empty(x.shape[0], R, dtype=torch.int32, device=device),
+                }
+            with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
+                args.append({
+                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                    "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
+                    "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
+                    "topk_idx": None if idx is None else idx.contiguous(),
+                    "topk_weights": None if idx is None else weights.float().contiguous(),
+                    "is_token_in_rank": p[2], "channel_prefix_matrix": p[1], "rank_prefix_matrix": p[0], **out})
             outputs.append(out)
-        self.runtime.dispatch(args, {
-            "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1], "num_topk": num_topk,
-            "num_channels": channels, "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
-            "num_experts": num_experts, "num_worst_tokens": num_worst_tokens, "timeout_cycles": self.timeout_cycles,
-            "stalled_rank": stalled_rank})
+        with op.launching():
+            self.runtime.dispatch(args, {
+                "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1],
+                "num_topk": num_topk, "num_channels": channels, "capacity": config.num_max_recv_tokens,
+                "chunk": config.num_max_send_tokens, "num_experts": num_experts, "num_worst_tokens": num_worst_tokens,
+                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
 
         results = []
         for a, out, (num_recv, per_expert), h in zip(args, outputs, received, handles):
@@ -148,8 +140,8 @@ class _Engine:
         return results
 
     def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[Handle],
-                topk_weights: Sequence[torch.Tensor | None], config: Config | None,
-                stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                topk_weights: Sequence[torch.Tensor | None], config: Config | None, stalled_rank: int = -1,
+                op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         config = config or handles[0].config
         y0 = ys[0]
         if y0.dtype not in (torch.bfloat16, torch.float32):
@@ -157,25 +149,29 @@ class _Engine:
         hidden_bytes = y0.shape[1] * y0.element_size()
         num_topk = topk_weights[0].shape[1] if topk_weights[0] is not None else 1
         self._check(config, hidden_bytes, num_topk, self.num_ranks)
-        self.runtime.cached_notify([
-            {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
-             "channel_prefix_matrix": h.channel_prefix_matrix} for r, h in zip(ranks, handles)],
-            config.num_channels, self.timeout_cycles)
+        with op.launching():
+            self.runtime.cached_notify([
+                {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
+                 "channel_prefix_matrix": h.channel_prefix_matrix} for r, h in zip(ranks, handles)],
+                config.num_channels, self.timeout_cycles)
         args, results = [], []
         for r, y, h, w in zip(ranks, ys, handles, topk_weights):
             tokens = h.is_token_in_rank.shape[0]
-            combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
-            combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
-            args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
-                         "topk_weights": None if w is None else w.float().contiguous(),
-                         "rank_prefix_matrix": h.rank_prefix_matrix, "recv_channel_offset": h.recv_channel_offset,
-                         "send_head": h.send_head, "combined_x": combined, "combined_topk_weights": combined_w})
+            with op.allocating():
+                combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+                combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
+            with op.launching():
+                args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
+                             "topk_weights": None if w is None else w.float().contiguous(),
+                             "rank_prefix_matrix": h.rank_prefix_matrix, "recv_channel_offset": h.recv_channel_offset,
+                             "send_head": h.send_head, "combined_x": combined, "combined_topk_weights": combined_w})
             results.append((combined, combined_w))
-        self.runtime.combine(args, {
-            "hidden_bytes": hidden_bytes, "num_topk": num_topk, "num_channels": config.num_channels,
-            "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
-            "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank,
-            "float32": y0.dtype == torch.float32})
+        with op.launching():
+            self.runtime.combine(args, {
+                "hidden_bytes": hidden_bytes, "num_topk": num_topk, "num_channels": config.num_channels,
+                "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
+                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank,
+                "float32": y0.dtype == torch.float32})
         return results
 
 
@@ -195,18 +191,26 @@ class Buffer:
         self.runtime.open_ipc_handles(handles)
         dist.barrier(group=group)
         self.engine = _Engine(self.runtime, ext, self.num_ranks, config or Config(), timeout_cycles, timeout_s)
+        self.comm_stream = torch.cuda.Stream()
 
     @staticmethod
     def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, num_topk: int, config: Config | None = None) -> int:
         return (config or Config()).buffer_size_hint(num_ranks, hidden_bytes, num_topk)
 
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, to pass as `previous_event`."""
+        return capture()
+
+    def _op(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> CommStreamOp:
+        return CommStreamOp(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
         """(num_tokens_per_rank, None (no RDMA ranks intranode), num_tokens_per_expert, is_token_in_rank, event)."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        per_rank, per_expert, in_rank = self.engine.layout(topk_idx, num_experts)
-        return per_rank, None, per_expert, in_rank, _event_after(async_finish)
+        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
+        layout = self.engine.layout(topk_idx, num_experts, op)
+        return layout[0], None, layout[1], layout[2], op.finish(topk_idx, layout)
 
     def dispatch(self, x: Payload, handle: Handle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
                  num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
@@ -215,22 +219,21 @@ class Buffer:
                  config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
         num_experts = 0 if num_tokens_per_expert is None else num_tokens_per_expert.numel()
         layout = None if handle is not None else (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
         (result,) = self.engine.dispatch([self.rank], [x], [topk_idx], [topk_weights], [layout], [handle],
-                                         num_experts or self.num_ranks, expert_alignment, num_worst_tokens, config)
-        return (*result, _event_after(async_finish))
+                                         num_experts or self.num_ranks, expert_alignment, num_worst_tokens, config,
+                                         op=op)
+        return (*result, op.finish((x, topk_idx, topk_weights, layout, handle), result))
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None,
                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> tuple:
         """(combined_x, combined_topk_weights, event): unweighted sum over the ranks each token went to."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config)
-        return combined, weights, _event_after(async_finish)
+        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
+        ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config, op=op)
+        return combined, weights, op.finish((x, handle, topk_weights), (combined, weights))
 
 
 class EmulatedGroup:

@@ -38,4 +38,20 @@ __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role
     __trap();
 }
 
+// With num_worst_tokens the outputs are sized before the counts are known: a rank that would receive
+// more rows than that records it (code 2) and traps before any block writes past the end.
+__device__ __forceinline__ void check_worst_tokens(ErrorRecord* record, int role, int rank, int rows, int limit) {
+    if (limit <= 0 || rows <= limit) return;
+    if (threadIdx.x == 0 && record != nullptr && atomicCAS_system(&record->code, 0, 2) == 0) {
+        record->role = role;
+        record->rank = rank;
+        record->channel = record->peer = record->head = -1;
+        record->tail = rows;
+        record->expected = limit;
+        __threadfence_system();
+        printf("kernels_cuda: rank %d receives %d rows but num_worst_tokens is %d\n", rank, rows, limit);
+    }
+    __trap();
+}
+
 }  // namespace ep

@@ -1,4 +1,4 @@
-// Timeout diagnostics shared by device and host code: role ids and the host-mapped ErrorRecord.
+// Device error diagnostics shared by device and host code: role ids and the host-mapped ErrorRecord.
 #pragma once
 
 namespace ep {
@@ -30,7 +30,7 @@ enum Role : int {
 
 // Host-mapped; written once by the first spin that times out. Read by Runtime.error_record().
 struct ErrorRecord {
-    int code;  // 0: none, 1: timeout
+    int code;  // 0: none, 1: timeout, 2: more rows than num_worst_tokens (tail = rows, expected = limit)
     int role;
     int rank;
     int channel;

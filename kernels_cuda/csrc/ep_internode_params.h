@@ -1,5 +1,5 @@
 // Parameter blocks and launchers of the internode kernels (the interface between kernels/internode_*.cu
-// and host/internode_bindings.cpp). One launch covers `num_launch_ranks` ranks: every rank of the
+// and host/internode_runtime.cpp). One launch covers `num_launch_ranks` ranks: every rank of the
 // emulated nodes x GPUs world (Backend::kEmulated), or this process's rank (Backend::kNvshmem).
 // Tensors named as in DeepEP's internode handle (see ../../shared/reference/deepep.md, appendix B).
 #pragma once
@@ -112,6 +112,7 @@ struct InternodeDispatchParams {
     int num_experts;
     int nvl_chunk;
     int rdma_chunk;
+    int num_worst_tokens;  // > 0: recv_* have this many rows; those past the received ones get top-k ids -1
     RecordLayout record;
     InternodeLayout layout;
     long long timeout_cycles;

@@ -24,8 +24,9 @@ inline cudaError_t launch_cooperative(void (*kernel)(Params), int blocks, int th
     return cudaLaunchKernelEx(&config, kernel, params);
 }
 
-// Internode launches: the EMULATED kernel always exists, the NVSHMEM one only in builds with
-// EP_WITH_NVSHMEM (else nullptr: the launch reports cudaErrorNotSupported).
+// Internode launches: the EMULATED and the IPC (kNvlink: one rank per process, every hop through
+// CUDA IPC pointers) kernels always exist, the NVSHMEM one only in builds with EP_WITH_NVSHMEM
+// (else nullptr: the launch reports cudaErrorNotSupported).
 template <typename T>
 struct Same {
     using type = T;
@@ -33,9 +34,11 @@ struct Same {
 
 template <typename Params>
 inline cudaError_t launch_by_backend(Backend backend, void (*emulated)(Params),
+                                     typename Same<void (*)(Params)>::type ipc,
                                      typename Same<void (*)(Params)>::type nvshmem, int blocks, int threads,
                                      cudaStream_t stream, const Params& params) {
     if (backend == Backend::kEmulated) return launch_cooperative(emulated, blocks, threads, stream, params);
+    if (backend == Backend::kNvlink) return launch_cooperative(ipc, blocks, threads, stream, params);
     if (backend != Backend::kNvshmem || nvshmem == nullptr) return cudaErrorNotSupported;
     return launch_cooperative(nvshmem, blocks, threads, stream, params);
 }

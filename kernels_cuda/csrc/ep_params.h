@@ -12,7 +12,8 @@
 
 namespace ep {
 
-// kNvshmem: internode only, RDMA hop through NVSHMEM (built with EP_WITH_NVSHMEM, see build.py).
+// kNvlink: one rank per process, peers through CUDA IPC (internode: the RDMA hop too, for nodes that
+// share one machine). kNvshmem: internode only, RDMA hop through NVSHMEM (built with EP_WITH_NVSHMEM).
 enum class Backend : int { kEmulated = 0, kNvlink = 1, kNvshmem = 2 };
 enum class Payload : int { kBF16 = 0, kFloat32 = 1 };
 

@@ -7,8 +7,10 @@
 //   load_acquire(word)           poll a word of the local region (everybody polls only local memory).
 // Back ends:
 //   kEmulated: every node's rail peer is a slice of one GPU allocation (tests on one GPU);
-//   kNvshmem:  the region is NVSHMEM's symmetric heap, PE = node * gpus + gpu. Compiled only with
-//              EP_WITH_NVSHMEM (kernels_cuda/build.py sets it when NVSHMEM is found); untested so far.
+//   kNvshmem:  the region is NVSHMEM's symmetric heap, PE = node * gpus + gpu (host set-up:
+//              host/nvshmem_world.cu and NvshmemInternodeRuntime in host/internode_runtime.cpp).
+//              Compiled only with EP_WITH_NVSHMEM (kernels_cuda/build.py); compile_check compiles and
+//              device-links it against libnvshmem_device, but it has never run (no multi-node GPUs).
 #pragma once
 #include <cstdint>
 
@@ -25,12 +27,15 @@ namespace ep {
 template <Backend B>
 struct RdmaTransport;
 
-template <>
-struct RdmaTransport<Backend::kEmulated> {
-    static constexpr Scope kScope = Scope::kGpu;
+// The rail peers' regions reached through plain pointers: slices of one allocation (kEmulated, GPU
+// scope) or CUDA IPC mappings of other processes' regions (kNvlink, system scope: "nodes" that
+// share one machine, e.g. simulated nodes or tests of the per-process path on one box).
+template <Backend B>
+struct PointerRdmaTransport {
+    static constexpr Scope kScope = B == Backend::kEmulated ? Scope::kGpu : Scope::kSys;
     const InternodePeers& peers;
 
-    __device__ __forceinline__ explicit RdmaTransport(const InternodePeers& p) : peers(p) {}
+    __device__ __forceinline__ explicit PointerRdmaTransport(const InternodePeers& p) : peers(p) {}
 
     template <typename T = uint8_t>
     __device__ __forceinline__ T* local(int64_t offset) const {
@@ -56,6 +61,15 @@ struct RdmaTransport<Backend::kEmulated> {
 
     __device__ __forceinline__ int load_acquire(int64_t offset) const { return ld_acquire<kScope>(local<int>(offset)); }
     __device__ __forceinline__ void quiet() const { fence_acq_rel<kScope>(); }
+};
+
+template <>
+struct RdmaTransport<Backend::kEmulated> : PointerRdmaTransport<Backend::kEmulated> {
+    using PointerRdmaTransport::PointerRdmaTransport;
+};
+template <>
+struct RdmaTransport<Backend::kNvlink> : PointerRdmaTransport<Backend::kNvlink> {
+    using PointerRdmaTransport::PointerRdmaTransport;
 };
 
 #if defined(EP_WITH_NVSHMEM)

@@ -5,7 +5,8 @@
 //            the writers' fences and a barrier, hence ordered after every earlier put of the
 //            channel (data and tail travel together, heads on their own words),
 //   quiet  = a fence at the back end's scope.
-// NVSHMEM (next issue) will add a third back end behind the same calls.
+// NVSHMEM is not a back end of this transport: it carries only the internode kernels' RDMA hop
+// (RdmaTransport<kNvshmem> in ep_rdma.cuh); their NVLink hop uses Transport<kNvlink>.
 #pragma once
 #include <cstdint>
 

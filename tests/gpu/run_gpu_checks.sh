@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 9 min on
+# Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 8 min on
 # one H200), writing a short Markdown report to $1 (default docs/gpu_runs/<UTC date>.md).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any step failed.
 set -uo pipefail
@@ -25,14 +25,15 @@ step() {  # step NAME TIMEOUT_S COMMAND...
     ROWS+="| $name | $rc | $(( $(date +%s) - start )) s |"$'\n'
 }
 
-step environment 60 bash -c 'nvidia-smi; nvcc --version; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD; git status --short | head -20'
-step compile_check 120 python -m kernels_cuda.compile_check --jobs 4
-step build 300 python -m kernels_cuda.build
-step import 60 python -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
-step tests 240 python -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_internode_emulated.py
-step tests_internode 180 python -m pytest tests/gpu/test_internode_emulated.py -q -rA -p no:cacheprovider
-step bench 90 python -m tests.gpu.bench_emulated
-step bench_overlap 120 python -m tests.gpu.bench_overlap
+# Limits sum to 480 s (expected total about 4 min: the device code compiles in seconds, the host
+# sources with torch's headers take most of the build); compile_check is left to CI.
+step environment 20 bash -c 'nvidia-smi; nvcc --version; python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD; git status --short | head -20'
+step build 170 python -m kernels_cuda.build
+step import 15 python -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
+step tests 110 python -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_internode_emulated.py
+step tests_internode 75 python -m pytest tests/gpu/test_internode_emulated.py -q -rA -p no:cacheprovider
+step bench 45 python -m tests.gpu.bench_emulated
+step bench_overlap 45 python -m tests.gpu.bench_overlap
 
 {
     echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -43,7 +44,7 @@ step bench_overlap 120 python -m tests.gpu.bench_overlap
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in compile_check tests tests_internode bench bench_overlap; do
+    for name in tests tests_internode bench bench_overlap; do
         echo
         echo "## $name"
         echo '```'

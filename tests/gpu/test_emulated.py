@@ -178,3 +178,13 @@ def test_stalled_rank_ends_in_timeout_diagnostics():
     assert proc.returncode != 0, output
     assert "kernels_cuda timeout" in output or "device timeout: role=" in output or "error_record" in output, output
     assert "ERROR_RECORD code=1" in output, output
+
+
+def test_num_worst_tokens_too_small_traps_with_a_record():
+    script = Path(__file__).with_name("worst_tokens_overflow.py")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "ERROR_RECORD code=2" in output and "rank=0" in output, output
+    assert "num_worst_tokens is 32" in output, output

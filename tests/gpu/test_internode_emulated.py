@@ -115,6 +115,27 @@ def test_fp8_payload_and_strided_scales_travel_bit_exactly():
         assert torch.equal(recv[1], want_scales.x)
 
 
+def test_num_worst_tokens_pads_without_host_sync_and_combines_the_same():
+    nodes, gpus = 2, 2
+    R, E = nodes * gpus, 4 * nodes * gpus
+    topk = routing("random", R, TOKENS, E, TOPK, seed=17)
+    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=17)
+    ws = weights(R, TOKENS, TOPK, 17)
+    group = _group(nodes, gpus)
+    exact = group.dispatch(xs, topk, ws, E)
+    want = group.combine([r[0] for r in exact], [r[4] for r in exact], [r[2] for r in exact])
+    worst = TOKENS * R
+    padded = group.dispatch(xs, topk, ws, E, num_worst_tokens=worst)
+    for a, b in zip(exact, padded):
+        rows = a[0].shape[0]
+        assert b[0].shape[0] == worst and b[3] == []
+        assert torch.equal(a[0], b[0][:rows]) and torch.equal(a[1], b[1][:rows]) and torch.equal(a[2], b[2][:rows])
+        assert bool((b[1][rows:] == -1).all()) and bool((b[2][rows:] == 0).all())
+    got = group.combine([r[0] for r in padded], [r[4] for r in padded], [r[2] for r in padded])
+    for (x, w), (x_want, w_want) in zip(got, want):
+        assert torch.equal(x, x_want) and torch.equal(w, w_want)
+
+
 @pytest.mark.parametrize("config", [
     InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=2, rdma_chunk=1, rdma_capacity=7),
     InternodeConfig(num_sms=6, nvl_chunk=1, nvl_capacity=4, rdma_chunk=2, rdma_capacity=10),

@@ -16,6 +16,7 @@
 #include "../ep_diag.h"
 #include "../ep_params.h"
 #include "internode_runtime.h"
+#include "ipc.h"
 #include "tensor_args.h"
 
 namespace py = pybind11;
@@ -62,25 +63,13 @@ class Runtime {
         cudaFreeHost(error_);
     }
 
-    py::bytes ipc_handle() const {
-        cudaIpcMemHandle_t handle;
-        check_cuda(cudaIpcGetMemHandle(&handle, base_), "cudaIpcGetMemHandle");
-        return py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle));
-    }
+    py::bytes ipc_handle() const { return ipc_handle_of(base_); }
 
     void open_ipc_handles(const std::vector<py::bytes>& handles) {
         TORCH_CHECK(!emulated_, "kernels_cuda: the emulated back end has no IPC peers");
         TORCH_CHECK(static_cast<int>(handles.size()) == num_ranks_, "kernels_cuda: need one IPC handle per rank");
-        for (int r = 0; r < num_ranks_; ++r) {
-            if (r == rank_) continue;
-            const std::string raw = handles[r];
-            TORCH_CHECK(raw.size() == sizeof(cudaIpcMemHandle_t), "kernels_cuda: malformed IPC handle");
-            cudaIpcMemHandle_t handle;
-            std::memcpy(&handle, raw.data(), sizeof(handle));
-            void* mapped = nullptr;
-            check_cuda(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-            peers_[r] = static_cast<uint8_t*>(mapped);
-        }
+        for (int r = 0; r < num_ranks_; ++r)
+            if (r != rank_) peers_[r] = open_ipc_handle(handles[r]);
     }
 
     static std::vector<at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks,

@@ -1,4 +1,6 @@
-// Internode (two-hop) part of kernels_cuda._C: the EmulatedInternodeRuntime class (host/internode_runtime.cpp).
+// Internode (two-hop) part of kernels_cuda._C (host/internode_runtime.cpp): the runtime classes
+// EmulatedInternodeRuntime and, in EP_WITH_NVSHMEM builds, NvshmemInternodeRuntime, plus the module
+// attribute `with_nvshmem`.
 #pragma once
 #include <torch/extension.h>
 

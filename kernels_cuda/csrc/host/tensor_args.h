@@ -30,9 +30,13 @@ inline T* ptr(const py::dict& d, const char* key) {
     return ptr_or_null<T>(d, key);
 }
 
-// What a trapped spin loop recorded (role, rank, channel, peer and the counters it waited on).
+// What a trapped kernel recorded: a spin loop timing out (role, rank, channel, peer and the counters it
+// waited on), or a num_worst_tokens overflow.
 inline std::string describe_timeout(const ep::ErrorRecord& e) {
     if (e.code == 0) return "no device timeout recorded";
+    if (e.code == 2)
+        return "num_worst_tokens too small: rank " + std::to_string(e.rank) + " receives " + std::to_string(e.tail) +
+               " rows (or RDMA records), more than num_worst_tokens=" + std::to_string(e.expected);
     return "device timeout: role=" + std::to_string(e.role) + " rank=" + std::to_string(e.rank) +
            " channel=" + std::to_string(e.channel) + " peer=" + std::to_string(e.peer) +
            " head=" + std::to_string(e.head) + " tail=" + std::to_string(e.tail) +

@@ -317,9 +317,11 @@ cudaError_t launch_internode_combine(const InternodeCombineParams& p, Backend ba
     const int blocks = p.num_launch_ranks * 2 * p.num_channels;
     if (payload == Payload::kBF16)
         return launch_by_backend(backend, internode_combine_kernel<Backend::kEmulated, __nv_bfloat16>,
+                                 internode_combine_kernel<Backend::kNvlink, __nv_bfloat16>,
                                  EP_NVSHMEM_KERNEL(internode_combine_kernel<Backend::kNvshmem, __nv_bfloat16>), blocks,
                                  kThreads, stream, p);
     return launch_by_backend(backend, internode_combine_kernel<Backend::kEmulated, float>,
+                             internode_combine_kernel<Backend::kNvlink, float>,
                              EP_NVSHMEM_KERNEL(internode_combine_kernel<Backend::kNvshmem, float>), blocks, kThreads,
                              stream, p);
 }

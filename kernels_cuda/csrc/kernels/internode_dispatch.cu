@@ -345,12 +345,31 @@ __device__ void forwarder_coordinator(const Ctx& x, const RdmaTransport<B>& rdma
     }
 }
 
+// With num_worst_tokens the outputs have more rows than received (no host wait for the counts):
+// the rows past the received ones get top-k ids -1 and weights 0, spread over the channels.
+__device__ void clear_unused_rows(const InternodeDispatchParams& p, const InternodeDispatchRankArgs& a, int channel) {
+    if (p.num_worst_tokens <= 0 || a.recv_topk_idx == nullptr) return;
+    const int received = a.recv_gbl_rank_prefix_sum[p.num_nodes * p.gpus - 1];
+    const int64_t first = static_cast<int64_t>(received) * p.num_topk;
+    const int64_t last = static_cast<int64_t>(p.num_worst_tokens) * p.num_topk;
+    for (int64_t i = first + channel * kThreads + threadIdx.x; i < last; i += static_cast<int64_t>(p.num_channels) * kThreads) {
+        a.recv_topk_idx[i] = -1;
+        a.recv_topk_weights[i] = 0.0f;
+    }
+}
+
 template <Backend B>
 __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(const __grid_constant__ InternodeDispatchParams p) {
     constexpr Backend NB = nvl_backend_of<B>();
     const int blocks_per_rank = 2 * p.num_channels;
     const InternodeDispatchRankArgs& a = p.ranks[blockIdx.x / blocks_per_rank];
     if (a.peers.rank == p.stalled_rank) return;
+    if (p.num_worst_tokens > 0) {
+        check_worst_tokens(p.error, kRoleNvlReceiver, a.peers.rank, a.recv_gbl_rank_prefix_sum[p.num_nodes * p.gpus - 1],
+                           p.num_worst_tokens);
+        check_worst_tokens(p.error, kRoleForwarderRdmaData, a.peers.rank, a.recv_rdma_rank_prefix_sum[p.num_nodes - 1],
+                           p.num_worst_tokens);
+    }
     Ctx x{p, a, static_cast<int>(blockIdx.x % blocks_per_rank) / 2, 0, 0};
     channel_range(a.num_tokens, p.num_channels, x.channel, &x.begin, &x.end);
     const RdmaTransport<B> rdma(a.peers);
@@ -358,6 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(const _
     const int warp = warp_id();
 
     if (blockIdx.x % 2 == 1) {
+        clear_unused_rows(p, a, x.channel);
         __shared__ volatile int released[kMaxRdmaPeers];
         if (threadIdx.x < kMaxRdmaPeers) released[threadIdx.x] = 0;
         __syncthreads();
@@ -385,6 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(const _
 cudaError_t launch_internode_dispatch(const InternodeDispatchParams& p, Backend backend, cudaStream_t stream) {
     const int blocks = p.num_launch_ranks * 2 * p.num_channels;
     return launch_by_backend(backend, internode_dispatch_kernel<Backend::kEmulated>,
+                             internode_dispatch_kernel<Backend::kNvlink>,
                              EP_NVSHMEM_KERNEL(internode_dispatch_kernel<Backend::kNvshmem>), blocks, kThreads, stream, p);
 }
 

@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1)
 cudaError_t launch_internode_notify(const InternodeNotifyParams& p, Backend backend, cudaStream_t stream) {
     const int blocks = p.num_launch_ranks * (1 + p.num_nodes);
     return launch_by_backend(backend, internode_notify_kernel<Backend::kEmulated>,
+                             internode_notify_kernel<Backend::kNvlink>,
                              EP_NVSHMEM_KERNEL(internode_notify_kernel<Backend::kNvshmem>), blocks, kNotifyThreads,
                              stream, p);
 }
@@ -205,6 +206,7 @@ cudaError_t launch_internode_cached_notify(const InternodeCachedNotifyParams& p,
     const int jobs = p.num_channels * p.num_nodes * (1 + p.gpus);
     const int blocks = p.num_launch_ranks * (1 + ceil_div(jobs, kNotifyThreads / 32));
     return launch_by_backend(backend, internode_cached_notify_kernel<Backend::kEmulated>,
+                             internode_cached_notify_kernel<Backend::kNvlink>,
                              EP_NVSHMEM_KERNEL(internode_cached_notify_kernel<Backend::kNvshmem>), blocks, kNotifyThreads,
                              stream, p);
 }

@@ -139,6 +139,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const __grid_cons
     const int blocks_per_rank = 2 * p.num_channels;
     const DispatchRankArgs& a = p.ranks[blockIdx.x / blocks_per_rank];
     if (a.rank == p.stalled_rank) return;
+    if (p.num_worst_tokens > 0)
+        check_worst_tokens(p.error, kRoleDispatchReceiver, a.rank,
+                           a.rank_prefix_matrix[(p.num_ranks - 1) * p.num_ranks + a.rank], p.num_worst_tokens);
     const int channel = static_cast<int>(blockIdx.x % blocks_per_rank) / 2;
     const Transport<B> net(a.peers);
     if (warp_id() >= (kDispatchWarps / p.num_ranks) * p.num_ranks) return;
