@@ -21,6 +21,7 @@ from parallel.pipeline.builders import SCHEDULES
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 DISPATCHERS = ("auto", "local", "alltoall", "hierarchical", "native", "deepep")
+NATIVE_ALTERNATIVES = "use 'hierarchical' for an EP group across nodes, 'alltoall' or 'hierarchical' inside one node"
 LR_SCHEDULES = ("constant", "cosine", "dsv3")
 RESUME_HELP = "'auto', 'none' or a checkpoint path"
 
@@ -40,7 +41,7 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     gpus_per_node: Optional[int] = None  # default: the local world size; smaller simulates nodes on CPU
-    dispatcher: str = "auto"  # auto: local for ep 1, hierarchical when an EP group spans nodes, else alltoall
+    dispatcher: str = "auto"  # auto (never native): local for ep 1, hierarchical when EP spans nodes, else alltoall
     zero1: bool = True
     timeout_s: float = 300.0
     schedule: str = "1f1b"  # pipeline schedule: see parallel.pipeline.builders.SCHEDULES
@@ -281,6 +282,9 @@ def validate(config: Config) -> list[tuple[str, str]]:
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
+    if p.dispatcher == "native" and t.device == "cpu":
+        problems.append(("parallel.dispatcher",
+                         f"'native' runs CUDA kernels, not with train.device=cpu; {NATIVE_ALTERNATIVES}"))
     _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
     for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail"):
         if getattr(o, key) < 0:

@@ -23,14 +23,14 @@ from model.init import initialize_parameters
 from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
-from moe_train.config import Config, ConfigError, load_config, to_yaml
+from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
 from moe_train.metrics import MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.runtime import autocast, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
-from parallel.dispatch import DispatcherUnavailable, make_dispatcher
+from parallel.dispatch import DispatcherUnavailable, make_dispatcher, native_unavailable
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
@@ -50,7 +50,13 @@ def default_cache_dir() -> str:
 
 
 def choose_dispatcher(config: Config, topology: Topology | None) -> str:
+    """`parallel.dispatcher` with `auto` resolved (never to `native`); a ConfigError where `native` cannot run
+    in this process (the config alone cannot tell: the same file serves login nodes and GPU nodes)."""
     name = config.parallel.dispatcher
+    if name == "native":
+        problem = native_unavailable(across_nodes=topology is not None and topology.ep_nodes > 1)
+        if problem is not None:
+            raise ConfigError([("parallel.dispatcher", f"'native' cannot run here: {problem}; {NATIVE_ALTERNATIVES}")])
     if name != "auto":
         return name
     if topology is None or topology.ep == 1:
@@ -97,6 +103,7 @@ class Trainer:
     def __init__(self, config: Config, topology: Topology | None = None) -> None:
         self.cfg = config
         self.topology = topology
+        dispatcher_name = choose_dispatcher(config, topology)  # before any work: a backend that cannot run fails now
         self.is_logger = topology is None or topology.rank == 0
         configure_threads(config.train)
         seed_everything(config.train.seed)
@@ -108,7 +115,7 @@ class Trainer:
         self.train_data, self.valid_data = build_datasets(prefix, config.train.seq_length, config.train.seed,
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
-        dispatcher = make_dispatcher(choose_dispatcher(config, topology), topology, config.model.num_moe_experts,
+        dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      comm_sms=config.parallel.comm_sms)
         self.pipeline: ModelPipeline | None = None
         if topology is not None and topology.pp > 1:

@@ -4,14 +4,18 @@
 - `local`: one rank owns every expert, nothing moves (`model.dispatcher.LocalDispatcher`);
 - `alltoall`: one flat `all_to_all_single` over the EP group;
 - `hierarchical`: node-limited two hops (inter-node on the rail group, then intra-node fan-out);
-- `native`: our `kernels_cuda` buffer (`parallel.dispatch.native`); a clear error where it is not
-  built, or for an EP group that spans nodes (the internode kernels have no host runtime yet);
+- `native`: our `kernels_cuda` kernels (`parallel.dispatch.native`): the intranode `Buffer` for an EP
+  group inside one node, the two-hop `InternodeBuffer` for one that spans nodes (its RDMA hop through
+  NVSHMEM between machines, through CUDA IPC between simulated nodes of one machine; SM budget
+  `comm_sms` either way); `DispatcherUnavailable` naming the pure-torch
+  alternative where they cannot run (see `native_unavailable`) or cannot serve this EP group;
 - `deepep` (the `deep_ep` package): a clear error until wired.
 Communicating backends count the bytes they send per link in `dispatcher.traffic`.
 """
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 from model.dispatcher import Dispatcher, LocalDispatcher
 from parallel.dispatch.alltoall import AllToAllDispatcher
@@ -19,8 +23,9 @@ from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Ex
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
 from kernels_cuda.config import Config
-from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
-from parallel.topology import Topology
+from kernels_cuda.internode_config import InternodeConfig
+from parallel.dispatch.native import NativeDispatcher, internode_buffer_factory, process_group_buffer_factory
+from parallel.topology import Topology, TopologyError, read_launch_env
 
 BACKENDS = ("local", "alltoall", "hierarchical", "native", "deepep")
 
@@ -36,33 +41,92 @@ class LocalBackend(LocalDispatcher):
         self.traffic = Traffic()
 
 
-def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool,
-                 comm_sms: int | None) -> NativeDispatcher:
+def job_on_one_machine() -> bool:
+    """Whether the launcher put every rank of this job on this machine (then simulated nodes reach each
+    other through CUDA IPC and the internode kernels need no NVSHMEM)."""
+    try:
+        launch = read_launch_env()
+    except TopologyError:
+        return False
+    return launch.local_world_size >= launch.world_size
+
+
+def native_unavailable(across_nodes: bool = False) -> str | None:
+    """Why the `native` kernels cannot run in this process, or None: no kernels_cuda build, no CUDA
+    device, or, for an EP group `across_nodes` of a job spanning machines, a build without the NVSHMEM
+    back end (the extension's `with_nvshmem`)."""
     import torch
 
     import kernels_cuda
-    from kernels_cuda import constants
 
     if not kernels_cuda.is_built():
-        raise DispatcherUnavailable(f"dispatcher 'native': kernels_cuda is not built here: {kernels_cuda.build_status()}; "
-                                    "use 'hierarchical' or 'alltoall'")
+        return f"kernels_cuda is not built here: {kernels_cuda.build_status()}"
     if not torch.cuda.is_available():
-        raise DispatcherUnavailable("dispatcher 'native' needs a CUDA device; use 'hierarchical' or 'alltoall'")
+        return "no CUDA device is available"
+    if across_nodes and not job_on_one_machine() and not getattr(kernels_cuda.require_built(), "with_nvshmem", False):
+        return ("kernels_cuda was built without NVSHMEM, which the internode kernels need between machines "
+                "(rebuild with MOE_TRAIN_NVSHMEM=1 where NVSHMEM is installed)")
+    return None
+
+
+class _EPGroup(NamedTuple):
+    group: object  # torch.distributed process group
+    size: int
+    rank: int
+    per_node: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.per_node != self.size
+
+
+def _ep_group_of(topology_or_comms: Topology | EPComms | None) -> _EPGroup | None:
+    """The EP group on torch.distributed, or None for other communicators (or none)."""
     if isinstance(topology_or_comms, Topology):
-        group, ep, rank, per_node = (topology_or_comms.ep_group, topology_or_comms.ep, topology_or_comms.ep_rank,
-                                     topology_or_comms.ep_ranks_per_node)
-    elif isinstance(topology_or_comms, EPComms) and isinstance(topology_or_comms.ep, ProcessGroupComm):
+        t = topology_or_comms
+        return _EPGroup(t.ep_group, t.ep, t.ep_rank, t.ep_ranks_per_node)
+    if isinstance(topology_or_comms, EPComms) and isinstance(topology_or_comms.ep, ProcessGroupComm):
         comms = topology_or_comms
-        group, ep, rank, per_node = comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size
-    else:
+        return _EPGroup(comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size)
+    return None
+
+
+def _alternatives(ep: _EPGroup | None) -> str:
+    """The pure-torch backends to use instead of `native` for this EP group."""
+    if ep is None:
+        return "'hierarchical' (EP across nodes) or 'alltoall'"
+    return "'hierarchical'" if ep.spans_nodes else "'alltoall' or 'hierarchical'"
+
+
+def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool,
+                 comm_sms: int | None) -> NativeDispatcher:
+    from kernels_cuda import constants
+
+    ep_group = _ep_group_of(topology_or_comms)
+    problem = native_unavailable(across_nodes=ep_group is not None and ep_group.spans_nodes)
+    if problem is not None:
+        raise DispatcherUnavailable(f"dispatcher 'native' cannot run here: {problem}; use {_alternatives(ep_group)}")
+    if ep_group is None:
         raise ValueError("dispatcher 'native' needs a topology or EP communicators on torch.distributed groups")
-    if per_node != ep:
-        raise DispatcherUnavailable(f"dispatcher 'native': the EP group spans {ep // per_node} nodes, and the "
-                                    "internode kernels have no host runtime yet; use 'hierarchical'")
+    group, ep, rank, per_node = ep_group
+    num_sms = {} if comm_sms is None else {"num_sms": comm_sms}
+    if ep_group.spans_nodes:
+        nodes = ep // per_node
+        if nodes > constants.MAX_RDMA_PEERS or per_node > constants.MAX_NVL_PEERS:
+            raise DispatcherUnavailable(
+                f"dispatcher 'native': the internode kernels reach at most {constants.MAX_RDMA_PEERS} nodes of "
+                f"{constants.MAX_NVL_PEERS} GPUs, not {nodes} x {per_node}; use 'hierarchical'")
+        internode = InternodeConfig(**num_sms)
+        try:
+            factory = internode_buffer_factory(group, per_node, internode)
+        except ImportError as err:
+            raise DispatcherUnavailable(f"dispatcher 'native': this kernels_cuda has no internode buffer ({err}); "
+                                        "use 'hierarchical'") from err
+        return NativeDispatcher(factory, num_experts, ep, rank, per_node, fp8, internode)
     if constants.DISPATCH_WARPS % ep or constants.COMBINE_WARPS % ep:
         raise DispatcherUnavailable(f"dispatcher 'native': the intranode kernels split their warps evenly over the "
                                     f"ranks, which {ep} ranks cannot do; use 'alltoall'")
-    config = Config() if comm_sms is None else Config(num_sms=comm_sms)
+    config = Config(**num_sms)
     return NativeDispatcher(process_group_buffer_factory(group, config), num_experts, ep, rank, per_node, fp8, config)
 
 
@@ -106,6 +170,6 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
 
 __all__ = [
     "BACKENDS", "COMBINE", "DISPATCH", "INTER_NODE", "INTRA_NODE", "AllToAllDispatcher", "Comm",
-    "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend", "NativeDispatcher",
-    "ProcessGroupComm", "Traffic", "make_dispatcher",
+    "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend",
+    "NativeDispatcher", "ProcessGroupComm", "Traffic", "make_dispatcher", "native_unavailable",
 ]

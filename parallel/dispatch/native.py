@@ -1,4 +1,5 @@
-"""The `native` dispatcher: our CUDA kernels (`kernels_cuda.Buffer`) behind the DeepEP-shaped contract.
+"""The `native` dispatcher: our CUDA kernels (`kernels_cuda.Buffer`, `InternodeBuffer`) behind the DeepEP-shaped
+contract.
 
 The buffer does the moving; this module adds what the contract asks beyond DeepEP's API:
 - autograd, as in `parallel.dispatch.base`: dispatch's backward is a combine of the gradients of
@@ -7,14 +8,20 @@ The buffer does the moving; this module adds what the contract asks beyond DeepE
 - an FP8 payload (per-128-channel e4m3 + scales, dequantised on arrival), as the other backends;
 - the byte counters (`Traffic`) with the same logical record sizes the pure-torch backends count
   (payload, FP8 scales, top-k ids as int32, top-k weights), so benchmarks compare like with like;
-  the kernels' rings add a 4-byte source index and 16-byte alignment, which is not counted;
+  the kernels' rings add a 4-byte source index and 16-byte alignment, which is not counted. Rows
+  are counted on the links they cross: intranode, one row per (token, destination rank), as
+  `alltoall`; internode, as `hierarchical` (one RDMA record per token and other node, then the
+  forwarder's NVLink copies), read from the handle of each fresh dispatch;
 - the buffer is created on first dispatch, sized for the rows it meets, and re-created larger if a
   later call needs it (e.g. float32 gradients after bfloat16 tokens; handles are plain tensors, so
   they outlive a buffer). Creation is collective, which is safe because every EP rank runs the
   same layers in the same order.
 
-`buffer_factory(num_bytes)` returns a `kernels_cuda.Buffer`-like object (a real `Buffer` on a
-process group, a `kernels_cuda.rank_views.RankView` of an emulated group, or a test double).
+The kind of buffer follows the config: a `kernels_cuda.Config` means an intranode buffer (one
+NVLink region), an `InternodeConfig` an internode one (RDMA and NVLink regions).
+`buffer_factory(sizes)` gets the `BufferSizes` the next calls need and returns an object with the
+buffer API (a real `Buffer` or `InternodeBuffer` on a process group, a
+`kernels_cuda.rank_views.RankView` of an emulated group, or a test double).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from kernels_cuda.config import Config
+from kernels_cuda.internode_config import InternodeConfig
 from model.dispatcher import Layout
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
 from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
@@ -33,14 +41,38 @@ from parallel.dispatch.layout import compute_layout
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels' combine can sum
 
 
+@dataclass(frozen=True)
+class BufferSizes:
+    """Bytes per rank of a buffer's regions: NVLink, and RDMA for internode buffers (0 intranode)."""
+
+    nvl_bytes: int
+    rdma_bytes: int = 0
+
+    def covers(self, other: BufferSizes) -> bool:
+        return self.nvl_bytes >= other.nvl_bytes and self.rdma_bytes >= other.rdma_bytes
+
+
+BufferFactory = Callable[[BufferSizes], Any]
+
+
+def buffer_sizes(config: Config | InternodeConfig, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
+                 num_topk: int) -> BufferSizes:
+    """What a buffer of `config`'s kind needs for rows of up to `hidden_bytes` (FP8 rows sized as BF16):
+    `Config.buffer_size_hint` intranode, `InternodeConfig.buffer_size_hints` across nodes."""
+    if isinstance(config, InternodeConfig):
+        rdma, nvl = config.buffer_size_hints(num_ranks // ranks_per_node, ranks_per_node, hidden_bytes, num_topk)
+        return BufferSizes(nvl, rdma)
+    return BufferSizes(config.buffer_size_hint(num_ranks, hidden_bytes, num_topk))
+
+
 @dataclass
 class NativeHandle:
-    """What combine and both backward passes reuse: the buffer's handle and this rank's row counts."""
+    """What combine and both backward passes reuse: the buffer's handle and this rank's rows per link."""
 
-    handle: Any              # kernels_cuda.Handle (plain tensors: any buffer of the same group can use it)
+    handle: Any                    # Handle or InternodeHandle: plain tensors, any buffer of the group can use it
     num_topk: int
-    sent: list[int]          # rows this rank sent to each rank in dispatch
-    received: list[int]      # rows this rank received from each rank in dispatch
+    dispatch_rows: dict[str, int]  # rows this rank sends over each link when rows move towards the experts
+    combine_rows: dict[str, int]   # ... and when they move back towards their tokens
 
 
 def _tensors(value: Any):
@@ -80,17 +112,15 @@ class _Dispatch(torch.autograd.Function):
         buffer = backend.buffer_for(x, topk_idx.shape[1])
         payload = quantize_e4m3(x) if backend.fp8 else x.contiguous()
         idx, weights = topk_idx.long().contiguous(), topk_weights.float().contiguous()
+        layout_args = backend.layout_args(layout)
         recv, local, recv_w, per_expert, handle, _ = on_comm_stream(lambda: buffer.dispatch(
-            payload, num_tokens_per_rank=layout.num_tokens_per_rank, is_token_in_rank=layout.is_token_in_rank,
-            num_tokens_per_expert=layout.num_tokens_per_expert, topk_idx=idx, topk_weights=weights),
-            (idx, weights, *_tensors(payload)))
+            payload, **layout_args, topk_idx=idx, topk_weights=weights), (idx, weights, *_tensors(payload)))
         recv_x = dequantize_e4m3(recv[0], recv[1], x.dtype) if backend.fp8 else recv
         local = local.to(topk_idx.dtype)
         recv_w = recv_w.to(topk_weights.dtype)
         counts = torch.tensor(per_expert, dtype=torch.long, device=x.device)
-        sent = layout.is_token_in_rank.sum(0).tolist()
-        native = NativeHandle(handle, topk_idx.shape[1], sent, backend.received_counts(handle))
-        backend.count(DISPATCH, sent, backend.dispatch_row_bytes(x, topk_idx, topk_weights))
+        native = NativeHandle(handle, topk_idx.shape[1], *backend.link_rows(handle))
+        backend.count(DISPATCH, native.dispatch_rows, backend.dispatch_row_bytes(x, topk_idx, topk_weights))
         ctx.backend, ctx.native, ctx.weights_dtype = backend, native, topk_weights.dtype
         ctx.save_for_backward(local)
         ctx.mark_non_differentiable(local, counts)
@@ -108,7 +138,7 @@ class _Dispatch(torch.autograd.Function):
         grad_w32 = grad_weights.float()
         combined, combined_w, _ = on_comm_stream(
             lambda: buffer.combine(grad_x, native.handle, topk_weights=grad_w32), (grad_x, grad_w32))
-        backend.count(COMBINE, native.received,
+        backend.count(COMBINE, native.combine_rows,
                       grad_x.shape[1] * grad_x.element_size() + grad_weights.shape[1] * grad_weights.element_size())
         return None, combined, combined_w.to(ctx.weights_dtype), None, None
 
@@ -119,7 +149,7 @@ class _Combine(torch.autograd.Function):
         backend.check_payload(y)
         buffer, y = backend.buffer_for(y, native.num_topk), y.contiguous()
         combined, _, _ = on_comm_stream(lambda: buffer.combine(y, native.handle), (y,))
-        backend.count(COMBINE, native.received, y.shape[1] * y.element_size())
+        backend.count(COMBINE, native.combine_rows, y.shape[1] * y.element_size())
         ctx.backend, ctx.native = backend, native
         return combined
 
@@ -129,15 +159,19 @@ class _Combine(torch.autograd.Function):
         grad = grad.contiguous()
         buffer = backend.buffer_for(grad, native.num_topk)
         recv, *_ = on_comm_stream(lambda: buffer.dispatch(grad, handle=native.handle), (grad,))
-        backend.count(DISPATCH, native.sent, grad.shape[1] * grad.element_size())
+        backend.count(DISPATCH, native.dispatch_rows, grad.shape[1] * grad.element_size())
         return None, recv, None
 
 
 class NativeDispatcher:
-    """The dispatcher contract of `model.dispatcher` over a `kernels_cuda.Buffer` (one EP rank)."""
+    """The dispatcher contract of `model.dispatcher` over a `kernels_cuda` buffer (one EP rank).
 
-    def __init__(self, buffer_factory: Callable[[int], Any], num_experts: int, num_ranks: int, rank: int,
-                 ranks_per_node: int, fp8: bool = False, config: Config | None = None) -> None:
+    `config` says the kind of buffer `buffer_factory` makes: intranode (`Config`, the default) or
+    internode (`InternodeConfig`, ranks numbered node * ranks_per_node + GPU).
+    """
+
+    def __init__(self, buffer_factory: BufferFactory, num_experts: int, num_ranks: int, rank: int,
+                 ranks_per_node: int, fp8: bool = False, config: Config | InternodeConfig | None = None) -> None:
         if num_experts % num_ranks:
             raise ValueError(f"{num_experts} experts cannot be split over {num_ranks} EP ranks")
         self.buffer_factory, self.config = buffer_factory, config or Config()
@@ -149,7 +183,11 @@ class NativeDispatcher:
         self.links = [None if peer == rank else INTRA_NODE if peer // ranks_per_node == node else INTER_NODE
                       for peer in range(num_ranks)]
         self._buffer: Any = None
-        self._buffer_bytes = 0
+        self._buffer_sizes = BufferSizes(0)
+
+    @property
+    def internode(self) -> bool:
+        return isinstance(self.config, InternodeConfig)
 
     def local_experts(self, num_experts: int) -> range:
         self._check_experts(num_experts)
@@ -166,9 +204,8 @@ class NativeDispatcher:
             return compute_layout(topk_idx, num_experts, self.num_ranks, self.ranks_per_node)
         per_rank, per_node, per_expert, in_rank, _ = self._buffer.get_dispatch_layout(topk_idx.long().contiguous(),
                                                                                        num_experts)
-        if per_node is None:  # intranode buffers report no per-node counts
-            nodes = self.num_ranks // self.ranks_per_node
-            per_node = in_rank.view(-1, nodes, self.ranks_per_node).any(-1).sum(0)
+        if per_node is None:  # intranode buffers (and emulated rank views) report no per-node counts
+            per_node = self._tokens_per_node(in_rank)
         return Layout(per_rank.long(), per_expert.long(), in_rank, per_node.long())
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -190,27 +227,75 @@ class NativeDispatcher:
     def buffer_for(self, x: torch.Tensor, num_topk: int) -> Any:
         """The buffer, (re-)created if it is missing or too small for rows like `x`."""
         hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # FP8 rows (+ scales) fit where BF16 rows do
-        needed = self.config.buffer_size_hint(self.num_ranks, hidden_bytes, num_topk)
-        if self._buffer is None or needed > self._buffer_bytes:
+        needed = buffer_sizes(self.config, self.num_ranks, self.ranks_per_node, hidden_bytes, num_topk)
+        if self._buffer is None or not self._buffer_sizes.covers(needed):
             self._buffer = None  # release the old buffer before allocating the new one
             self._buffer = self.buffer_factory(needed)
-            self._buffer_bytes = needed
+            self._buffer_sizes = needed
         return self._buffer
 
-    def received_counts(self, handle: Any) -> list[int]:
-        """Rows received from each rank, from the handle's rank_prefix_matrix [R, R] (column = receiver)."""
-        column = handle.rank_prefix_matrix[:, self.rank].long()
-        return torch.diff(column, prepend=column.new_zeros(1)).tolist()
+    def layout_args(self, layout: Layout) -> dict[str, torch.Tensor]:
+        """The layout arguments of a fresh `dispatch`, as the buffers' layout returns them (int32 counts);
+        internode buffers also take the tokens per node."""
+        args = {"num_tokens_per_rank": layout.num_tokens_per_rank.int(),
+                "is_token_in_rank": layout.is_token_in_rank.bool().contiguous(),
+                "num_tokens_per_expert": layout.num_tokens_per_expert.int()}
+        if self.internode:
+            per_node = layout.num_tokens_per_node
+            args["num_tokens_per_rdma_rank"] = (self._tokens_per_node(layout.is_token_in_rank) if per_node is None
+                                                else per_node).int()
+        return args
+
+    def link_rows(self, handle: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """Rows this rank sends over each link (dispatch direction, combine direction), read from the
+        handle of a fresh dispatch (before any combine rewrites its heads)."""
+        if self.internode:
+            return self._internode_link_rows(handle)
+        column = handle.rank_prefix_matrix[:, self.rank].long()  # [R, R] prefix over sources, column = receiver
+        received = torch.diff(column, prepend=column.new_zeros(1))
+        sent, received = torch.stack([handle.is_token_in_rank.sum(0), received]).tolist()
+        return self._by_link(sent), self._by_link(received)
+
+    def _internode_link_rows(self, handle: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """As `hierarchical` counts its two hops. Dispatch: one RDMA record per token and other node,
+        then the NVLink copies this rank makes as forwarder of its rail (`send_nvl_head` >= 0) to the
+        other GPUs of its node. Combine: the same records back, i.e. the RDMA records received from
+        other nodes and the rows received through other forwarders (source ranks of another GPU index)."""
+        gpus = self.ranks_per_node
+        node, gpu = divmod(self.rank, gpus)
+        to_node = handle.is_token_in_rank.view(-1, self.num_ranks // gpus, gpus).any(-1)
+        forwarded = handle.send_nvl_head >= 0
+        rdma = handle.recv_rdma_rank_prefix_sum.long()
+        records_in = torch.diff(rdma, prepend=rdma.new_zeros(1))
+        rows = handle.recv_gbl_rank_prefix_sum.long()
+        rows_in = torch.diff(rows, prepend=rows.new_zeros(1)).view(-1, gpus)
+        inter_out, intra_out, inter_in, intra_in = torch.stack([
+            to_node.sum() - to_node[:, node].sum(), forwarded.sum() - forwarded[:, gpu].sum(),
+            records_in.sum() - records_in[node], rows_in.sum() - rows_in[:, gpu].sum()]).tolist()
+        if gpus == 1:
+            return {INTER_NODE: inter_out}, {INTER_NODE: inter_in}
+        return {INTER_NODE: inter_out, INTRA_NODE: intra_out}, {INTER_NODE: inter_in, INTRA_NODE: intra_in}
 
     def dispatch_row_bytes(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
         hidden, k = x.shape[1], topk_idx.shape[1]
         payload = hidden + hidden // 128 * 4 if self.fp8 else hidden * x.element_size()
         return payload + k * 4 + k * topk_weights.element_size()
 
-    def count(self, direction: str, rows_per_rank: list[int], row_bytes: int) -> None:
+    def count(self, direction: str, rows_per_link: dict[str, int], row_bytes: int) -> None:
+        for link, rows in rows_per_link.items():
+            self.traffic.add(direction, link, rows, rows * row_bytes)
+
+    def _by_link(self, rows_per_rank: list[int]) -> dict[str, int]:
+        """Rows per peer -> rows per link (every link this rank has, even with no rows, as `Hop` counts)."""
+        out: dict[str, int] = {}
         for link, rows in zip(self.links, rows_per_rank):
             if link is not None:
-                self.traffic.add(direction, link, rows, rows * row_bytes)
+                out[link] = out.get(link, 0) + rows
+        return out
+
+    def _tokens_per_node(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        nodes = self.num_ranks // self.ranks_per_node
+        return is_token_in_rank.view(-1, nodes, self.ranks_per_node).any(-1).sum(0)
 
     def check_payload(self, x: torch.Tensor) -> None:
         if x.dtype not in PAYLOAD_DTYPES:
@@ -223,11 +308,23 @@ class NativeDispatcher:
             raise ValueError(f"this dispatcher was built for {self.num_experts} experts, got {num_experts}")
 
 
-def process_group_buffer_factory(group: Any, config: Config | None = None) -> Callable[[int], Any]:
-    """Buffers on a torch.distributed process group (CUDA IPC between the ranks of one node)."""
+def process_group_buffer_factory(group: Any, config: Config | None = None) -> BufferFactory:
+    """Intranode buffers on a torch.distributed process group (CUDA IPC between the ranks of one node)."""
     from kernels_cuda import Buffer
 
-    def make(num_bytes: int) -> Any:
-        return Buffer(group, num_bytes, config)
+    def make(sizes: BufferSizes) -> Any:
+        return Buffer(group, sizes.nvl_bytes, config)
+
+    return make
+
+
+def internode_buffer_factory(group: Any, ranks_per_node: int, config: InternodeConfig) -> BufferFactory:
+    """Internode buffers on a torch.distributed process group spanning nodes (the RDMA hop through NVSHMEM,
+    or CUDA IPC when the nodes share a machine; CUDA IPC inside a node); raises ImportError where this
+    kernels_cuda has no `InternodeBuffer`."""
+    from kernels_cuda import InternodeBuffer
+
+    def make(sizes: BufferSizes) -> Any:
+        return InternodeBuffer(group, ranks_per_node, sizes.nvl_bytes, sizes.rdma_bytes, config)
 
     return make
