@@ -19,6 +19,8 @@ if importlib.util.find_spec("kernels_cuda._C") is None:
     _C = None
     _STATUS = f"not built (no kernels_cuda._C extension); {_HOW}"
 else:
+    import torch  # noqa: F401  (loads libc10 / libtorch, which the extension links against)
+
     try:  # the torch extension built by kernels_cuda.build
         _C = importlib.import_module("kernels_cuda._C")
         _STATUS = "built"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,16 @@ def find_nvcc() -> str | None:
         return found
     default = Path("/usr/local/cuda/bin/nvcc")
     return str(default) if default.is_file() else None
+
+
+def toolkit_root(nvcc: str) -> Path:
+    """The CUDA toolkit `nvcc` belongs to, as nvcc reports it (its TOP), so a wrapper script such as
+    /usr/local/bin/nvcc -> /usr/local/cuda-13.0 leads to the toolkit, not to /usr/local."""
+    proc = subprocess.run([nvcc, "--dryrun", "-c", "toolkit_root.cu"], capture_output=True, text=True)
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return Path(line.removeprefix("#$ TOP=")).resolve()
+    return Path(nvcc).resolve().parent.parent
 
 
 def find_nvshmem() -> Path | None:
@@ -129,6 +140,9 @@ def cuda_ext_modules() -> list[Any]:
     print(f"kernels_cuda: {'building' if build else 'skipping'} the CUDA extension ({reason})")
     if not build:
         return []
+    if not (os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")):
+        # torch derives CUDA_HOME from `which nvcc`'s grandparent, which is wrong for a wrapper script
+        os.environ["CUDA_HOME"] = str(toolkit_root(find_nvcc()))
     from torch.utils.cpp_extension import CUDAExtension
 
     root = PACKAGE_DIR.parent

@@ -32,8 +32,9 @@ step build 170 python -m kernels_cuda.build
 step import 15 python -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
 step tests 110 python -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_internode_emulated.py
 step tests_internode 75 python -m pytest tests/gpu/test_internode_emulated.py -q -rA -p no:cacheprovider
-step bench 45 python -m tests.gpu.bench_emulated
-step bench_overlap 45 python -m tests.gpu.bench_overlap
+step bench 30 python -m tests.gpu.bench_emulated
+step bench_internode 30 python -m tests.gpu.bench_internode
+step bench_overlap 30 python -m tests.gpu.bench_overlap
 
 {
     echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -44,7 +45,7 @@ step bench_overlap 45 python -m tests.gpu.bench_overlap
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in tests tests_internode bench bench_overlap; do
+    for name in tests tests_internode bench bench_internode bench_overlap; do
         echo
         echo "## $name"
         echo '```'

@@ -157,3 +157,31 @@ def test_python_internode_config_mirror_matches_the_header(tmp_path):
             assert line == f"ERR {problem}", case
         verdicts.add(line.split(":")[0] if problem else "OK")
     assert "OK" in verdicts and len(verdicts) >= 8  # the grid reaches every rule
+
+
+def test_toolkit_root_is_what_nvcc_reports_even_through_a_wrapper(tmp_path):
+    toolkit = tmp_path / "cuda-13.9"
+    (toolkit / "bin").mkdir(parents=True)
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho '#$ _NVVM_BRANCH_=nvvm'\necho '#$ TOP={toolkit}/bin/..'\n")
+    wrapper.chmod(0o755)
+    assert build.toolkit_root(str(wrapper)) == toolkit  # not tmp_path, the wrapper's grandparent
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
+def test_toolkit_root_of_the_installed_nvcc_holds_nvcc_and_the_runtime_headers():
+    root = build.toolkit_root(build.find_nvcc())
+    assert (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file()
+
+
+def test_the_extension_is_loaded_after_torch(tmp_path):
+    """A real build links libc10/libtorch without an rpath: loading it before torch fails (as a stand-in
+    extension here does, the way the real one did on a CUDA build of torch)."""
+    package = tmp_path / "kernels_cuda"
+    shutil.copytree(build.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__", "_C*.so"))
+    (package / "_C.py").write_text("import sys\nif 'torch' not in sys.modules:\n"
+                                   "    raise ImportError('libc10.so: cannot open shared object file')\n")
+    proc = subprocess.run([sys.executable, "-c", "import kernels_cuda; print(kernels_cuda.build_status())"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "built", proc.stdout + proc.stderr
