@@ -19,7 +19,7 @@ import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config
-from kernels_cuda.streams import CommStreamOp, CurrentStreamOp, EventOverlap, capture
+from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
 
@@ -47,7 +47,7 @@ class _Engine:
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int,
-               op: CurrentStreamOp = CurrentStreamOp()) -> tuple[torch.Tensor, ...]:
+               op: CurrentStreamOp = ON_CURRENT_STREAM) -> tuple[torch.Tensor, ...]:
         with op.launching():  # the extension allocates its outputs where it launches
             per_rank, _per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
                 topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
@@ -61,7 +61,7 @@ class _Engine:
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[tuple[torch.Tensor, ...] | None],
                  handles: Sequence[Handle | None], num_experts: int, expert_alignment: int, num_worst_tokens: int,
-                 config: Config | None, stalled_rank: int = -1, op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple]:
+                 config: Config | None, stalled_rank: int = -1, op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple]:
         """Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
         config = config or self.config
         cached = handles[0] is not None
@@ -141,7 +141,7 @@ class _Engine:
 
     def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[Handle],
                 topk_weights: Sequence[torch.Tensor | None], config: Config | None, stalled_rank: int = -1,
-                op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         config = config or handles[0].config
         y0 = ys[0]
         if y0.dtype not in (torch.bfloat16, torch.float32):

@@ -22,7 +22,7 @@ import torch
 from kernels_cuda import constants as C
 from kernels_cuda.build import NVSHMEM_HOW
 from kernels_cuda.internode_config import InternodeConfig
-from kernels_cuda.streams import CommStreamOp, CurrentStreamOp, EventOverlap, capture
+from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # (num_tokens_per_rank, num_tokens_per_rdma_rank (per node), num_tokens_per_expert, is_token_in_rank)
@@ -64,7 +64,7 @@ class _InternodeEngine:
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
 
-    def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = CurrentStreamOp()) -> Layout:
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, per node, per expert, is_token_in_rank) from the layout kernel."""
         with op.launching():  # the extension allocates its outputs where it launches
             per_rank, per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
@@ -86,7 +86,7 @@ class _InternodeEngine:
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],
                  handles: Sequence[InternodeHandle | None], num_experts: int, expert_alignment: int,
                  config: InternodeConfig | None, num_worst_tokens: int = 0, stalled_rank: int = -1,
-                 op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple]:
+                 op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple]:
         """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle).
         Fresh with `layouts` (handles None), cached with `handles` (the handle comes back unchanged).
         `num_worst_tokens > 0` (fresh only): no host wait for the counts; received rows and RDMA records
@@ -176,7 +176,7 @@ class _InternodeEngine:
 
     def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[InternodeHandle],
                 topk_weights: Sequence[torch.Tensor | None], config: InternodeConfig | None, stalled_rank: int = -1,
-                op: CurrentStreamOp = CurrentStreamOp()) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per rank: (combined_x, combined_topk_weights): unweighted sums over the ranks each token went to."""
         config = config or handles[0].config
         y0 = ys[0]

@@ -76,6 +76,9 @@ class CurrentStreamOp:
         return EventOverlap()
 
 
+ON_CURRENT_STREAM = CurrentStreamOp()  # stateless: one instance serves every call
+
+
 class CommStreamOp(CurrentStreamOp):
     """One op on `comm`, ordered after `previous_event` or the current stream (see the module doc)."""
 

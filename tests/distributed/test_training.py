@@ -7,7 +7,6 @@ gradients against the matching slice of the reference) and the updated parameter
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe_train.config import load_config
 from moe_train.data import build_demo_corpus, load_tokenizer

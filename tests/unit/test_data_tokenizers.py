@@ -1,5 +1,4 @@
 """The byte tokenizer and loading a Hugging Face tokenizer.json by path."""
-import json
 import random
 
 import pytest
