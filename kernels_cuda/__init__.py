@@ -3,9 +3,10 @@
 `is_built()` / `build_status()` say whether the extension `kernels_cuda._C` is importable here;
 `Buffer` (one rank per process, NVLink peers), `EmulatedGroup` (every rank in one process on one
 GPU), `EmulatedInternodeGroup` (nodes x GPUs emulated likewise, two-hop kernels) and
-`InternodeBuffer` (one rank per process across nodes, NVSHMEM for the RDMA hop) raise
-`KernelsNotBuilt` with that reason when it is not (`InternodeBuffer` also when the extension was
-built without NVSHMEM). Nothing here needs CUDA to import.
+`InternodeBuffer` (one rank per process across nodes; the RDMA hop over CUDA IPC on one machine,
+NVSHMEM across machines) raise `KernelsNotBuilt` with that reason when it is not (`InternodeBuffer`
+across machines also when the extension was built without NVSHMEM). Nothing here needs CUDA to
+import; loading the extension imports torch first (it links against torch's libraries).
 """
 from __future__ import annotations
 

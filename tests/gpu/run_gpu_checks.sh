@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Build kernels_cuda in place and run every GPU test and benchmark in one call (sized for < 8 min on
-# one H200), writing a short Markdown report to $1 (default docs/gpu_runs/<UTC date>.md).
+# one H200), writing a short Markdown report to $1 (default docs/gpu_runs/<UTC date>.md) and every
+# step's whole output next to it (logs-<report name>/).
 # Every step runs even if an earlier one failed; the exit status is non-zero if any step failed.
 # With the workplace's device tool: run `bash tests/gpu/run_gpu_checks.sh "$OUT/gpu_checks.md"` with
-# timeout_s 560, then commit the returned report under docs/gpu_runs/.
+# timeout_s 560 (the logs come back in $OUT/logs-gpu_checks/), then commit the report under docs/gpu_runs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPORT="${1:-docs/gpu_runs/$(date -u +%Y-%m-%d).md}"
 mkdir -p "$(dirname "$REPORT")"
-LOGS="$(mktemp -d)"
+LOGS="$(dirname "$REPORT")/logs-$(basename "$REPORT" .md)"  # every step's whole output
+mkdir -p "$LOGS"
 export MOE_TRAIN_BUILD_CUDA=1 KERNELS_CUDA_REQUIRED=1 PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"  # the interpreter that holds torch
+# One line per test as it ends (a step killed at its limit still shows how far it got) and, where
+# pytest-timeout is installed, a per-test limit so one hanging test does not take the whole step.
+PYTEST=("$PYTHON" -m pytest -v -rfE -p no:cacheprovider)
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST+=(--timeout 40)
 export MAX_JOBS="${MAX_JOBS:-16}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 FAILED=0
 ROWS=""
@@ -34,9 +40,9 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 step environment 15 bash -c 'nvidia-smi; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
 step build 120 "$PYTHON" -m kernels_cuda.build
 step import 15 "$PYTHON" -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
-step tests 90 "$PYTHON" -m pytest tests/gpu -q -rA -p no:cacheprovider --ignore=tests/gpu/test_internode_emulated.py --ignore=tests/gpu/test_buffer_processes.py
-step tests_internode 70 "$PYTHON" -m pytest tests/gpu/test_internode_emulated.py -q -rA -p no:cacheprovider
-step tests_processes 80 "$PYTHON" -m pytest tests/gpu/test_buffer_processes.py -q -rA -p no:cacheprovider
+step tests 90 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_internode_emulated.py --ignore=tests/gpu/test_buffer_processes.py
+step tests_internode 70 "${PYTEST[@]}" tests/gpu/test_internode_emulated.py
+step tests_processes 80 "${PYTEST[@]}" tests/gpu/test_buffer_processes.py
 step bench 30 "$PYTHON" -m tests.gpu.bench_emulated
 step bench_internode 30 "$PYTHON" -m tests.gpu.bench_internode
 step bench_overlap 30 "$PYTHON" -m tests.gpu.bench_overlap
@@ -54,7 +60,7 @@ step bench_overlap 30 "$PYTHON" -m tests.gpu.bench_overlap
         echo
         echo "## $name"
         echo '```'
-        tail -n 40 "$LOGS/$name.log" 2>/dev/null
+        tail -n 200 "$LOGS/$name.log" 2>/dev/null
         echo '```'
     done
     if [ "$FAILED" -ne 0 ]; then
