@@ -123,14 +123,16 @@ def test_num_worst_tokens_pads_without_host_sync_and_combines_the_same():
     ws = weights(R, TOKENS, TOPK, 17)
     group = _group(nodes, gpus)
     exact = group.dispatch(xs, topk, ws, E)
-    want = group.combine([r[0] for r in exact], [r[4] for r in exact], [r[2] for r in exact])
     worst = TOKENS * R
     padded = group.dispatch(xs, topk, ws, E, num_worst_tokens=worst)
-    for a, b in zip(exact, padded):
-        rows = a[0].shape[0]
+    for a, b in zip(exact, padded):  # before any combine rewrites the head tables
+        rows, records = a[0].shape[0], a[4].send_nvl_head.shape[0]
         assert b[0].shape[0] == worst and b[3] == []
         assert torch.equal(a[0], b[0][:rows]) and torch.equal(a[1], b[1][:rows]) and torch.equal(a[2], b[2][:rows])
         assert bool((b[1][rows:] == -1).all()) and bool((b[2][rows:] == 0).all())
+        assert torch.equal(a[4].send_nvl_head, b[4].send_nvl_head[:records])
+        assert bool((b[4].send_nvl_head[records:] == -1).all())
+    want = group.combine([r[0] for r in exact], [r[4] for r in exact], [r[2] for r in exact])
     got = group.combine([r[0] for r in padded], [r[4] for r in padded], [r[2] for r in padded])
     for (x, w), (x_want, w_want) in zip(got, want):
         assert torch.equal(x, x_want) and torch.equal(w, w_want)

@@ -346,13 +346,18 @@ __device__ void forwarder_coordinator(const Ctx& x, const RdmaTransport<B>& rdma
 }
 
 // With num_worst_tokens the outputs have more rows than received (no host wait for the counts):
-// the rows past the received ones get top-k ids -1 and weights 0, spread over the channels.
+// the rows past the received ones get top-k ids -1 and weights 0, and the send_nvl_head rows past
+// the received RDMA records -1 (no copy), spread over the channels.
 __device__ void clear_unused_rows(const InternodeDispatchParams& p, const InternodeDispatchRankArgs& a, int channel) {
-    if (p.num_worst_tokens <= 0 || a.recv_topk_idx == nullptr) return;
-    const int received = a.recv_gbl_rank_prefix_sum[p.num_nodes * p.gpus - 1];
-    const int64_t first = static_cast<int64_t>(received) * p.num_topk;
-    const int64_t last = static_cast<int64_t>(p.num_worst_tokens) * p.num_topk;
-    for (int64_t i = first + channel * kThreads + threadIdx.x; i < last; i += static_cast<int64_t>(p.num_channels) * kThreads) {
+    if (p.num_worst_tokens <= 0) return;
+    const int64_t stride = static_cast<int64_t>(p.num_channels) * kThreads;
+    const int64_t records = a.recv_rdma_rank_prefix_sum[p.num_nodes - 1];
+    const int64_t worst = p.num_worst_tokens;
+    for (int64_t i = records * p.gpus + channel * kThreads + threadIdx.x; i < worst * p.gpus; i += stride)
+        a.send_nvl_head[i] = -1;
+    if (a.recv_topk_idx == nullptr) return;
+    const int64_t rows = a.recv_gbl_rank_prefix_sum[p.num_nodes * p.gpus - 1];
+    for (int64_t i = rows * p.num_topk + channel * kThreads + threadIdx.x; i < worst * p.num_topk; i += stride) {
         a.recv_topk_idx[i] = -1;
         a.recv_topk_weights[i] = 0.0f;
     }
