@@ -91,7 +91,7 @@ class _Engine:
                 self.runtime.notify_dispatch([
                     {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
                      "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
-                     "channel_prefix_matrix": p[1]}
+                     "channel_prefix_matrix": p[1], "publish_counts": num_worst_tokens <= 0}
                     for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
                     num_experts, channels, expert_alignment, self.timeout_cycles)
             if num_worst_tokens > 0:
@@ -127,7 +127,8 @@ class _Engine:
             self.runtime.dispatch(args, {
                 "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1],
                 "num_topk": num_topk, "num_channels": channels, "capacity": config.num_max_recv_tokens,
-                "chunk": config.num_max_send_tokens, "num_experts": num_experts, "num_worst_tokens": num_worst_tokens,
+                "chunk": config.num_max_send_tokens, "num_experts": num_experts,
+                "num_worst_tokens": 0 if cached else num_worst_tokens,
                 "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
 
         results = []

@@ -124,7 +124,8 @@ class _InternodeEngine:
                             for lay in layouts]
             with op.launching():
                 self.runtime.notify([{"rank": r, "num_tokens": x.shape[0], "num_tokens_per_rank": lay[0],
-                                      "num_tokens_per_node": lay[1], "num_tokens_per_expert": lay[2], **prefix}
+                                      "num_tokens_per_node": lay[1], "num_tokens_per_expert": lay[2], **prefix,
+                                      "publish_counts": num_worst_tokens <= 0}
                                      for r, (x, _), lay, prefix in zip(ranks, payloads, layouts, prefixes)],
                                     self._settings(config, num_experts=num_experts, expert_alignment=expert_alignment))
             if num_worst_tokens > 0:
@@ -230,8 +231,8 @@ class EmulatedInternodeGroup:
         ext = kernels_cuda.require_built()
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.runtime = ext.EmulatedInternodeRuntime(num_nodes, gpus_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
-        self.engine = _InternodeEngine(self.runtime, ext, num_nodes, gpus_per_node, config or InternodeConfig(),
-                                       timeout_cycles, timeout_s)
+        self.engine = _InternodeEngine(self.runtime, ext, num_nodes, gpus_per_node,
+                                       config or InternodeConfig.for_nodes(num_nodes), timeout_cycles, timeout_s)
 
     def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
         """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank), as EmulatedGroup."""
@@ -326,14 +327,15 @@ class InternodeBuffer:
         self.runtime.open_ipc_handles(handles)
         dist.barrier(group=group)
         self.engine = _InternodeEngine(self.runtime, ext, self.num_nodes, ranks_per_node,
-                                       config or InternodeConfig(), timeout_cycles, timeout_s)
+                                       config or InternodeConfig.for_nodes(self.num_nodes), timeout_cycles, timeout_s)
         self.comm_stream = torch.cuda.Stream()
 
     @staticmethod
     def get_buffer_size_hints(num_nodes: int, gpus_per_node: int, hidden_bytes: int, num_topk: int,
                               config: InternodeConfig | None = None) -> tuple[int, int]:
         """(num_rdma_bytes, num_nvl_bytes) per rank (`InternodeConfig.buffer_size_hints`)."""
-        return (config or InternodeConfig()).buffer_size_hints(num_nodes, gpus_per_node, hidden_bytes, num_topk)
+        config = config or InternodeConfig.for_nodes(num_nodes)
+        return config.buffer_size_hints(num_nodes, gpus_per_node, hidden_bytes, num_topk)
 
     @staticmethod
     def capture() -> EventOverlap:

@@ -14,7 +14,7 @@ kernels_cuda/protocol_model_internode.py, whose tests show a violating config de
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import align_up, combine_record_bytes
@@ -32,6 +32,14 @@ class InternodeConfig:
     nvl_capacity: int = 288
     rdma_chunk: int = 16
     rdma_capacity: int = 128
+
+    @classmethod
+    def for_nodes(cls, num_nodes: int, **fields: int) -> InternodeConfig:
+        """The defaults (or `fields`) with the NVLink ring rounded down to a multiple of `num_nodes`,
+        which combine needs (it splits the ring per origin node): 288 records serve 2, 3, 4, 6, 8, 9,
+        12 and 16 nodes as they are, 280 serve 20 nodes."""
+        config = cls(**fields)
+        return replace(config, nvl_capacity=max(config.nvl_capacity // num_nodes, config.nvl_chunk) * num_nodes)
 
     @property
     def num_channels(self) -> int:

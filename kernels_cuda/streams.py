@@ -7,13 +7,18 @@ A per-process buffer owns a communication stream. Each op:
   `async_finish`, as in DeepEP: the caller then owns the ordering);
 - with `async_finish=False` makes the compute stream wait before returning (event None);
   with `async_finish=True` returns an `EventOverlap` recorded on the communication stream and
-  marks the inputs with `record_stream` for the communication stream and the outputs for both
-  streams (whichever allocated them), so the caching allocator cannot hand their memory to other
-  work before the op, or the compute stream's use of the outputs, has ended.
+  marks the inputs with `record_stream` for the communication stream;
+- either way marks the outputs for both streams (the layout kernel's, for one, are allocated where
+  it launches), so the caching allocator cannot hand their memory to other work before the op, or
+  the compute stream's use of the outputs, has ended.
+
+Without `previous_event`, outputs allocated on the compute stream are ordered before the kernels
+(a deterministic-mode fill of a new tensor runs on the compute stream). With `previous_event` the
+communication stream waits on that event only, as in DeepEP, and the caller should allocate on the
+communication stream: memory the compute stream frees after the event may otherwise be reused for
+the outputs while that work still runs (DeepEP issue #589).
 
 `CurrentStreamOp` is the same interface on the caller's stream (emulated groups, tests).
-Known limitation shared with DeepEP: with `previous_event`, memory freed by compute work queued
-after that event may be reused for the outputs while that work is still running.
 """
 from __future__ import annotations
 
@@ -89,18 +94,29 @@ class CommStreamOp(CurrentStreamOp):
                              "(the caller must order the compute stream's use of the outputs)")
         self.comm, self.compute = comm, torch.cuda.current_stream()
         self.async_finish, self.allocate_on_comm = async_finish, allocate_on_comm_stream
-        if previous_event is not None and previous_event.event is not None:
-            comm.wait_event(previous_event.event)
-        else:
+        self.after_compute = previous_event is None or previous_event.event is None
+        if self.after_compute:
             comm.wait_stream(self.compute)
+        else:
+            comm.wait_event(previous_event.event)
 
-    def allocating(self) -> ContextManager[None]:
-        return torch.cuda.stream(self.comm) if self.allocate_on_comm else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        if self.allocate_on_comm:
+            with torch.cuda.stream(self.comm):
+                yield
+            return
+        yield
+        if self.after_compute:  # whatever the allocation queued on the compute stream comes first
+            self.comm.wait_stream(self.compute)
 
     def launching(self) -> ContextManager[None]:
         return torch.cuda.stream(self.comm)
 
     def finish(self, inputs: Any, outputs: Any) -> EventOverlap:
+        for tensor in tensors_in(outputs):
+            tensor.record_stream(self.comm)
+            tensor.record_stream(self.compute)
         if not self.async_finish:
             self.compute.wait_stream(self.comm)
             return EventOverlap()
@@ -108,7 +124,4 @@ class CommStreamOp(CurrentStreamOp):
         event.record(self.comm)
         for tensor in tensors_in(inputs):
             tensor.record_stream(self.comm)
-        for tensor in tensors_in(outputs):
-            tensor.record_stream(self.comm)
-            tensor.record_stream(self.compute)
         return EventOverlap(event)

@@ -116,7 +116,7 @@ def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int,
             raise DispatcherUnavailable(
                 f"dispatcher 'native': the internode kernels reach at most {constants.MAX_RDMA_PEERS} nodes of "
                 f"{constants.MAX_NVL_PEERS} GPUs, not {nodes} x {per_node}; use 'hierarchical'")
-        internode = InternodeConfig(**num_sms)
+        internode = InternodeConfig.for_nodes(nodes, **num_sms)
         try:
             factory = internode_buffer_factory(group, per_node, internode)
         except ImportError as err:

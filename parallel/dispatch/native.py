@@ -229,6 +229,9 @@ class NativeDispatcher:
         hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # FP8 rows (+ scales) fit where BF16 rows do
         needed = buffer_sizes(self.config, self.num_ranks, self.ranks_per_node, hidden_bytes, num_topk)
         if self._buffer is None or not self._buffer_sizes.covers(needed):
+            destroy = getattr(self._buffer, "destroy", None)
+            if destroy is not None:  # collective: peers finish with its regions before they are freed
+                destroy()
             self._buffer = None  # release the old buffer before allocating the new one
             self._buffer = self.buffer_factory(needed)
             self._buffer_sizes = needed

@@ -37,7 +37,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 # Limits sum to 480 s (expected total about 4 min: the device code compiles in seconds, the host
 # sources with torch's headers take most of the build, which took 50-60 s on 2 cores without a GPU,
 # see docs/cuda_build_without_gpu.md); compile_check is left to CI.
-step environment 15 bash -c 'nvidia-smi; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
+step environment 15 bash -c 'nvidia-smi; nvidia-smi --query-gpu=compute_mode --format=csv; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
 step build 120 "$PYTHON" -m kernels_cuda.build
 step import 15 "$PYTHON" -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
 step tests 90 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_internode_emulated.py --ignore=tests/gpu/test_buffer_processes.py

@@ -347,3 +347,37 @@ def test_auto_never_picks_native(monkeypatch, built):
     assert choose_dispatcher(config, _topology(1, 1)) == "local"
     assert choose_dispatcher(config, _topology(4, 2)) == "hierarchical"
     assert choose_dispatcher(config, _topology(4, 1)) == "alltoall"
+
+
+def test_a_too_small_buffer_is_destroyed_collectively_before_its_successor_is_made():
+    events = []
+
+    class RecordingBuffer:
+        def __init__(self, sizes):
+            self.id = len([e for e in events if e[0] == "make"]) + 1
+            events.append(("make", self.id, sizes))
+
+        def destroy(self):
+            events.append(("destroy", self.id))
+
+    d = NativeDispatcher(RecordingBuffer, 16, 4, 0, 2, config=InternodeConfig(num_sms=4))
+    d.buffer_for(torch.randn(N, H, dtype=torch.bfloat16), K)
+    d.buffer_for(torch.randn(N, H, dtype=torch.bfloat16), K)  # fits: kept
+    d.buffer_for(torch.randn(N, H), K)  # float32 rows need more
+    assert [e[:2] for e in events] == [("make", 1), ("destroy", 1), ("make", 2)]
+    assert events[0][2].rdma_bytes < events[2][2].rdma_bytes
+
+
+@pytest.mark.parametrize("nodes", range(2, constants.MAX_RDMA_PEERS + 1))
+def test_the_internode_config_for_any_node_count_is_valid(nodes):
+    config = InternodeConfig.for_nodes(nodes, num_sms=24)
+    assert config.validate(nodes, 8, 7168 * 2, 8, 8) is None, config
+    assert config.nvl_capacity <= InternodeConfig().nvl_capacity and config.num_sms == 24
+    if InternodeConfig().nvl_capacity % nodes == 0:
+        assert config == InternodeConfig(num_sms=24)
+
+
+def test_make_dispatcher_gives_five_nodes_a_valid_config(native_can_run, monkeypatch):
+    monkeypatch.setattr(kernels_cuda, "InternodeBuffer", lambda *args: None, raising=False)
+    d = make_dispatcher("native", _group_comms(10, 2), 20, comm_sms=8)
+    assert d.config.validate(5, 2, H * 2, K, 2) is None and d.config.nvl_capacity == 285

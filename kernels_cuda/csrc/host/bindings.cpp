@@ -113,6 +113,9 @@ class Runtime {
             a.is_token_in_rank = ptr<bool>(d, "is_token_in_rank");
             a.rank_prefix_matrix = ptr<int>(d, "rank_prefix_matrix");
             a.channel_prefix_matrix = ptr<int>(d, "channel_prefix_matrix");
+            // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
+            // otherwise land after the next notify reset the counters and pass for its counts.
+            if (!publishes_counts(d)) continue;
             recv_counter_[i] = -1;
             a.recv_counter = d_recv_counter_ + i;
             a.recv_expert_counter = d_recv_expert_counter_ + i * ep::kMaxLocalExperts;

@@ -94,6 +94,9 @@ class InternodeRuntime {
             a.gbl_channel_prefix_matrix = ptr<int>(d, "gbl_channel_prefix_matrix");
             a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
             a.recv_gbl_rank_prefix_sum = ptr<int>(d, "recv_gbl_rank_prefix_sum");
+            // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
+            // otherwise land after the next notify reset the counters and pass for its counts.
+            if (!publishes_counts(d)) continue;
             recv_counter_[i] = -1;
             recv_rdma_counter_[i] = -1;
             a.recv_counter = d_recv_counter_ + i;

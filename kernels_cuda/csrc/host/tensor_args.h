@@ -30,6 +30,10 @@ inline T* ptr(const py::dict& d, const char* key) {
     return ptr_or_null<T>(d, key);
 }
 
+// Whether a notify publishes the receive counts for the host to wait on (its dict's "publish_counts",
+// default true); false for a num_worst_tokens dispatch, which allocates without them.
+inline bool publishes_counts(const py::dict& d) { return !d.contains("publish_counts") || d["publish_counts"].cast<bool>(); }
+
 // What a trapped kernel recorded: a spin loop timing out (role, rank, channel, peer and the counters it
 // waited on), or a num_worst_tokens overflow.
 inline std::string describe_timeout(const ep::ErrorRecord& e) {

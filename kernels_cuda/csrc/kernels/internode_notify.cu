@@ -63,7 +63,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
             sum += read_volatile(rows + n * kRdmaNotifyInts + G);
             a.recv_rdma_rank_prefix_sum[n] = sum;
         }
-        write_volatile(a.recv_rdma_counter, sum);
+        if (a.recv_rdma_counter != nullptr) write_volatile(a.recv_rdma_counter, sum);
     }
     for (int i = threadIdx.x; i < G * N; i += blockDim.x) {
         const int j = i / N, n = i % N;
@@ -79,7 +79,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
 
     // mine[g'] came from forwarder g': per source node n', then per local expert.
     const int* mine = nvl.template peer_ptr<int>(gpu, nl.notify);
-    for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
+    for (int e = threadIdx.x; e < local_experts && a.recv_expert_counter != nullptr; e += blockDim.x) {
         int sum = 0;
         for (int f = 0; f < G; ++f) sum += read_volatile(mine + f * kNvlNotifyInts + kMaxRdmaPeers + e);
         write_volatile(a.recv_expert_counter + e, ceil_div(sum, p.expert_alignment) * p.expert_alignment);
@@ -91,9 +91,11 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
             sum += read_volatile(mine + (s % G) * kNvlNotifyInts + s / G);
             a.recv_gbl_rank_prefix_sum[s] = sum;
         }
-        __threadfence_system();  // expert counts before the total the host polls on
-        write_volatile(a.recv_counter, sum);
-        __threadfence_system();
+        if (a.recv_counter != nullptr) {  // nullptr with num_worst_tokens: the host reads no counts
+            __threadfence_system();  // expert counts before the total the host polls on
+            write_volatile(a.recv_counter, sum);
+            __threadfence_system();
+        }
     }
 }
 

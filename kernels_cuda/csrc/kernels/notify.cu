@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(cons
                 a.rank_prefix_matrix[src * num_ranks + col] = sum;
             }
         }
+        if (a.recv_counter == nullptr) return;  // num_worst_tokens: the host reads no counts
         const int* experts = net.template peer_ptr<int>(me, layout.notify_expert);
         for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
             int sum = 0;
