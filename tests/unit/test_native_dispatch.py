@@ -7,74 +7,17 @@ import pytest
 import torch
 
 import kernels_cuda
-from kernels_cuda import Config, Handle
+from kernels_cuda import Config
 from kernels_cuda.rank_views import rank_views
 from parallel import dispatch as pd
 from parallel.dispatch import AllToAllDispatcher, DispatcherUnavailable, EPComms, NativeDispatcher, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
-from parallel.dispatch.layout import compute_layout, to_local_expert_ids
+from parallel.dispatch.layout import compute_layout
 from parallel.dispatch.native import BufferSizes
 from parallel.dispatch.simulated import SimulatedEPGroup
+from tests.unit.kernel_standins import TorchEmulatedGroup
 
 R, PER_NODE, E, N, H, K = 4, 2, 8, 12, 128, 3
-
-
-class TorchEmulatedGroup:
-    """`EmulatedGroup`'s list API in torch: rows by source rank then token, fp32 sums in rank order."""
-
-    def __init__(self, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-        self.calls: list[str] = []
-
-    def get_dispatch_layout(self, topk_idx, num_experts):
-        self.calls.append("layout")
-        out = []
-        for idx in topk_idx:
-            lay = compute_layout(idx, num_experts, self.num_ranks, self.num_ranks)
-            out.append((lay.num_tokens_per_rank.int(), lay.num_tokens_per_expert.int(), lay.is_token_in_rank))
-        return out
-
-    def dispatch(self, xs, topk_idx=None, topk_weights=None, num_experts=None, handles=None):
-        R = self.num_ranks
-        cached = handles is not None
-        self.calls.append("cached_dispatch" if cached else "dispatch")
-        in_rank = ([h.is_token_in_rank for h in handles] if cached else
-                   [compute_layout(i, num_experts, R, R).is_token_in_rank for i in topk_idx])
-        counts = torch.stack([m.sum(0) for m in in_rank]).int()  # [src, dst]
-        prefix = counts.cumsum(0).int()
-        results = []
-        for d in range(R):
-            chosen = [in_rank[s][:, d].nonzero().flatten() for s in range(R)]
-            rows = [(x[0][c], x[1][c]) if isinstance(x, tuple) else x[c] for x, c in zip(xs, chosen)]
-            recv_x = (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])) \
-                if isinstance(xs[0], tuple) else torch.cat(rows)
-            src_idx = torch.cat(chosen).int()
-            handle = Handle(prefix, torch.empty(0), torch.empty(0), src_idx, in_rank[d], torch.empty(0),
-                            int(src_idx.numel()), Config())
-            if cached:
-                results.append((recv_x, None, None, [], handle))
-                continue
-            local = torch.cat([to_local_expert_ids(topk_idx[s][c], d, num_experts // R) for s, c in enumerate(chosen)])
-            weights = torch.cat([topk_weights[s][c] for s, c in enumerate(chosen)]).masked_fill(local < 0, 0)
-            per_expert = torch.bincount(local[local >= 0], minlength=num_experts // R).tolist()
-            results.append((recv_x, local, weights, per_expert, handle))
-        return results
-
-    def combine(self, ys, handles, topk_weights=None):
-        self.calls.append("combine")
-        R = self.num_ranks
-        sums = [torch.zeros(h.is_token_in_rank.shape[0], ys[0].shape[1]) for h in handles]
-        wsums = [None if topk_weights is None else torch.zeros(h.is_token_in_rank.shape[0], topk_weights[0].shape[1])
-                 for h in handles]
-        for s in range(R):  # summation in rank order, as the kernels' reducers do
-            for d in range(R):
-                column = handles[d].rank_prefix_matrix[:, d]
-                lo, hi = (int(column[s - 1]) if s else 0), int(column[s])
-                rows = handles[d].recv_src_idx[lo:hi].long()
-                sums[s].index_add_(0, rows, ys[d][lo:hi].float())
-                if topk_weights is not None:
-                    wsums[s].index_add_(0, rows, topk_weights[d][lo:hi].float())
-        return [(x.to(ys[0].dtype), w) for x, w in zip(sums, wsums)]
 
 
 def _inputs(rank: int, dtype: torch.dtype = torch.float32):
