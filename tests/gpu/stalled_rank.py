@@ -11,6 +11,7 @@ import torch
 
 from kernels_cuda import Config, EmulatedGroup
 from tests.gpu.cases import payload, routing, weights
+from tests.gpu.trap import run_until_trap
 
 
 def main() -> int:
@@ -18,14 +19,8 @@ def main() -> int:
     group = EmulatedGroup(num_ranks, 64 << 20, Config(4, 4, 16), timeout_cycles=200_000_000, timeout_s=20.0)
     topk = routing("random", num_ranks, 64, experts, 4, seed=1)
     xs = payload("random", num_ranks, 64, 256, torch.bfloat16, seed=1)
-    try:
-        group.dispatch(xs, topk, weights(num_ranks, 64, 4, 1), experts, stalled_rank=1)
-        torch.cuda.synchronize()
-    except RuntimeError as error:
-        print(f"dispatch failed as expected: {error}")
-    record = group.error_record()
-    print("ERROR_RECORD " + " ".join(f"{k}={v}" for k, v in record.items()), flush=True)
-    return 1 if record["code"] else 0
+    return run_until_trap(group, lambda: group.dispatch(xs, topk, weights(num_ranks, 64, 4, 1), experts,
+                                                        stalled_rank=1))
 
 
 if __name__ == "__main__":

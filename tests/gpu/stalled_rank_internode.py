@@ -12,6 +12,7 @@ import torch
 
 from kernels_cuda import EmulatedInternodeGroup, InternodeConfig
 from tests.gpu.cases import payload, routing, weights
+from tests.gpu.trap import run_until_trap
 
 
 def main() -> int:
@@ -20,15 +21,9 @@ def main() -> int:
     rdma, nvl = config.buffer_size_hints(nodes, gpus, 512, 4)
     group = EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=200_000_000, timeout_s=20.0)
     R = nodes * gpus
-    try:
-        group.dispatch(payload("random", R, 64, 256, torch.bfloat16, seed=1),
-                       routing("random", R, 64, experts, 4, seed=1), weights(R, 64, 4, 1), experts, stalled_rank=1)
-        torch.cuda.synchronize()
-    except RuntimeError as error:
-        print(f"dispatch failed as expected: {error}")
-    record = group.error_record()
-    print("ERROR_RECORD " + " ".join(f"{k}={v}" for k, v in record.items()), flush=True)
-    return 1 if record["code"] else 0
+    return run_until_trap(group, lambda: group.dispatch(
+        payload("random", R, 64, 256, torch.bfloat16, seed=1), routing("random", R, 64, experts, 4, seed=1),
+        weights(R, 64, 4, 1), experts, stalled_rank=1))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 
 from kernels_cuda import Config, EmulatedGroup
 from tests.gpu.cases import payload, routing, weights
+from tests.gpu.trap import run_until_trap
 
 
 def main() -> int:
@@ -16,14 +17,8 @@ def main() -> int:
     group = EmulatedGroup(num_ranks, 64 << 20, Config(4, 4, 16), timeout_cycles=2_000_000_000, timeout_s=20.0)
     topk = routing("all_to_one_rank", num_ranks, tokens, experts, 4, seed=2)  # the last rank receives them all
     xs = payload("random", num_ranks, tokens, 256, torch.bfloat16, seed=2)
-    try:
-        group.dispatch(xs, topk, weights(num_ranks, tokens, 4, 2), experts, num_worst_tokens=tokens // 2)
-        torch.cuda.synchronize()
-    except RuntimeError as error:
-        print(f"dispatch failed as expected: {error}")
-    record = group.error_record()
-    print("ERROR_RECORD " + " ".join(f"{k}={v}" for k, v in record.items()), flush=True)
-    return 1 if record["code"] else 0
+    return run_until_trap(group, lambda: group.dispatch(xs, topk, weights(num_ranks, tokens, 4, 2), experts,
+                                                        num_worst_tokens=tokens // 2))
 
 
 if __name__ == "__main__":
