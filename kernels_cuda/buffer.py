@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from kernels_cuda import constants as C
-from kernels_cuda.config import Config
+from kernels_cuda.config import Config, combine_row_shape
 from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
@@ -145,10 +145,7 @@ class _Engine:
                 op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         config = config or handles[0].config
         y0 = ys[0]
-        if y0.dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"kernels_cuda combine supports bfloat16 and float32 rows, got {y0.dtype}")
-        hidden_bytes = y0.shape[1] * y0.element_size()
-        num_topk = topk_weights[0].shape[1] if topk_weights[0] is not None else 1
+        hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
         self._check(config, hidden_bytes, num_topk, self.num_ranks)
         with op.launching():
             self.runtime.cached_notify([

@@ -8,6 +8,7 @@ protocol's deadlock-freedom conditions; kernels_cuda/protocol_model.py shows the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kernels_cuda import constants as C
 
@@ -84,3 +85,12 @@ def validate(num_channels: int, chunk: int, capacity: int, num_ranks: int, hidde
         if buffer_bytes(num_ranks, num_channels, capacity, record) > buffer_size:
             return "the buffer is too small for this configuration (see buffer_size_hint)"
     return None
+
+
+def combine_row_shape(rows: Any, topk_weights: Any) -> tuple[int, int]:
+    """(hidden bytes, top-k) of a combine's rows (torch tensors); the kernels sum bfloat16 or float32."""
+    import torch
+
+    if rows.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"kernels_cuda combine supports bfloat16 and float32 rows, got {rows.dtype}")
+    return rows.shape[1] * rows.element_size(), 1 if topk_weights is None else topk_weights.shape[1]

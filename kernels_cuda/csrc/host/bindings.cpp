@@ -7,10 +7,8 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
-#include <chrono>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../ep_diag.h"
@@ -125,22 +123,18 @@ class Runtime {
 
     // Host wait (with its own timeout) for the counts published by notify_dispatch.
     std::vector<std::pair<int, std::vector<int>>> wait_recv_counts(int num_launch_ranks, int local_experts, double timeout_s) {
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+        volatile int* counters = recv_counter_;
+        wait_for_counts(num_launch_ranks, timeout_s, [&](int i) { return counters[i] >= 0; }, [&] {
+            std::string text;
+            for (int j = 0; j < num_launch_ranks; ++j) text += std::to_string(counters[j]) + " ";
+            return "kernels_cuda: timeout waiting for the receive counts (dispatch CPU); counters: " + text +
+                   "(-1 = notify never finished); " + describe_error();
+        });
         std::vector<std::pair<int, std::vector<int>>> out;
         for (int i = 0; i < num_launch_ranks; ++i) {
-            volatile int* counter = recv_counter_ + i;
-            while (*counter < 0) {
-                if (std::chrono::steady_clock::now() > deadline) {
-                    std::string counters;
-                    for (int j = 0; j < num_launch_ranks; ++j) counters += std::to_string(recv_counter_[j]) + " ";
-                    TORCH_CHECK(false, "kernels_cuda: timeout waiting for the receive counts (dispatch CPU); counters: ",
-                                counters, "(-1 = notify never finished); ", describe_error());
-                }
-                std::this_thread::yield();
-            }
             std::vector<int> experts(local_experts);
             for (int e = 0; e < local_experts; ++e) experts[e] = recv_expert_counter_[i * ep::kMaxLocalExperts + e];
-            out.emplace_back(*counter, experts);
+            out.emplace_back(counters[i], experts);
         }
         return out;
     }

@@ -15,11 +15,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -109,25 +107,19 @@ class InternodeRuntime {
     // Per launch rank: (rows to receive, records to receive over RDMA, rows per local expert).
     std::vector<std::tuple<int, int, std::vector<int>>> wait_recv_counts(int num_launch_ranks, int local_experts,
                                                                          double timeout_s) {
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+        volatile int* rows = recv_counter_;
+        volatile int* records = recv_rdma_counter_;
+        wait_for_counts(num_launch_ranks, timeout_s, [&](int i) { return rows[i] >= 0 && records[i] >= 0; }, [&] {
+            std::string text;
+            for (int j = 0; j < num_launch_ranks; ++j) text += std::to_string(rows[j]) + "/" + std::to_string(records[j]) + " ";
+            return "kernels_cuda: timeout waiting for the receive counts (internode dispatch CPU); rows/RDMA records "
+                   "per rank: " + text + "(-1 = notify never finished); " + describe_error();
+        });
         std::vector<std::tuple<int, int, std::vector<int>>> out;
         for (int i = 0; i < num_launch_ranks; ++i) {
-            volatile int* counter = recv_counter_ + i;
-            volatile int* rdma_counter = recv_rdma_counter_ + i;
-            while (*counter < 0 || *rdma_counter < 0) {
-                if (std::chrono::steady_clock::now() > deadline) {
-                    std::string counters;
-                    for (int j = 0; j < num_launch_ranks; ++j)
-                        counters += std::to_string(recv_counter_[j]) + "/" + std::to_string(recv_rdma_counter_[j]) + " ";
-                    TORCH_CHECK(false, "kernels_cuda: timeout waiting for the receive counts (internode dispatch CPU); "
-                                       "rows/RDMA records per rank: ", counters, "(-1 = notify never finished); ",
-                                describe_error());
-                }
-                std::this_thread::yield();
-            }
             std::vector<int> experts(local_experts);
             for (int e = 0; e < local_experts; ++e) experts[e] = recv_expert_counter_[i * ep::kMaxLocalExperts + e];
-            out.emplace_back(*counter, *rdma_counter, experts);
+            out.emplace_back(rows[i], records[i], experts);
         }
         return out;
     }

@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "../ep_diag.h"
 
@@ -28,6 +30,19 @@ template <typename T>
 inline T* ptr(const py::dict& d, const char* key) {
     TORCH_CHECK(d.contains(key) && !d[key].is_none(), "kernels_cuda: missing tensor '", key, "'");
     return ptr_or_null<T>(d, key);
+}
+
+// Host wait for the counts a notify kernel publishes in host-mapped memory: spins until `ready(i)`
+// holds for every launch rank i, or fails after `timeout_s` with the text `describe()` gives.
+template <typename Ready, typename Describe>
+inline void wait_for_counts(int num_launch_ranks, double timeout_s, Ready ready, Describe describe) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    for (int i = 0; i < num_launch_ranks; ++i) {
+        while (!ready(i)) {
+            TORCH_CHECK(std::chrono::steady_clock::now() <= deadline, describe());
+            std::this_thread::yield();
+        }
+    }
 }
 
 // Whether a notify publishes the receive counts for the host to wait on (its dict's "publish_counts",
