@@ -1,12 +1,14 @@
-"""Our CUDA dispatch/combine kernels (optional; reports "not built" on machines without CUDA).
+"""Our CUDA dispatch/combine kernels, and the CPU emulation build that runs the same sources.
 
-`is_built()` / `build_status()` say whether the extension `kernels_cuda._C` is importable here;
-`Buffer` (one rank per process, NVLink peers), `EmulatedGroup` (every rank in one process on one
-GPU), `EmulatedInternodeGroup` (nodes x GPUs emulated likewise, two-hop kernels) and
-`InternodeBuffer` (one rank per process across nodes; the RDMA hop over CUDA IPC on one machine,
-NVSHMEM across machines) raise `KernelsNotBuilt` with that reason when it is not (`InternodeBuffer`
-across machines also when the extension was built without NVSHMEM). Nothing here needs CUDA to
-import; loading the extension imports torch first (it links against torch's libraries).
+Two extensions may be built from csrc/: `kernels_cuda._C` (CUDA: `MOE_TRAIN_BUILD_CUDA=1 pip install
+--no-build-isolation -e .` on a machine with CUDA) and `kernels_cuda._C_cpu` (the CPU emulation:
+`python -m kernels_cuda.build --device cpu`, built by the test suite when missing). `is_built(device)`
+/ `build_status()` say which load here; `extension(device)` returns one or raises `KernelsNotBuilt`
+with the reason. `Buffer` (one rank per process, NVLink peers) and `InternodeBuffer` (one rank per
+process across nodes) need the CUDA build; `EmulatedGroup` (every rank in this process) and
+`EmulatedInternodeGroup` (nodes x GPUs likewise, two-hop kernels) run on either device, with a
+`Schedule` for the emulation's fiber scheduler. Nothing here needs CUDA to import; loading an
+extension imports torch first (it links against torch's libraries).
 """
 from __future__ import annotations
 
@@ -15,44 +17,70 @@ import importlib.util
 
 from kernels_cuda.config import Config
 
-_HOW = "build with MOE_TRAIN_BUILD_CUDA=1 pip install --no-build-isolation -e . on a machine with CUDA"
-if importlib.util.find_spec("kernels_cuda._C") is None:
-    _C = None
-    _STATUS = f"not built (no kernels_cuda._C extension); {_HOW}"
-else:
-    import torch  # noqa: F401  (loads libc10 / libtorch, which the extension links against)
-
-    try:  # the torch extension built by kernels_cuda.build
-        _C = importlib.import_module("kernels_cuda._C")
-        _STATUS = "built"
-    except ImportError as error:  # e.g. built against another torch or CUDA
-        _C = None
-        _STATUS = f"not built (kernels_cuda._C fails to load: {error}); {_HOW}"
+DEVICES = ("cuda", "cpu")
+_MODULES = {"cuda": "kernels_cuda._C", "cpu": "kernels_cuda._C_cpu"}
+_HOW = {"cuda": "build with MOE_TRAIN_BUILD_CUDA=1 pip install --no-build-isolation -e . on a machine with CUDA",
+        "cpu": "build it with python -m kernels_cuda.build --device cpu"}
 
 
 class KernelsNotBuilt(RuntimeError):
-    """kernels_cuda._C is missing: no CUDA build of torch or nvcc when the package was installed."""
+    """The extension for a device is missing or does not load here."""
 
 
-def is_built() -> bool:
-    return _C is not None
+def _load(device: str) -> tuple[object | None, str]:
+    """(module, '') or (None, why not). Looked up on every call, so a build made later in the process counts."""
+    name = _MODULES[device]
+    if importlib.util.find_spec(name) is None:
+        return None, f"not built (no {name} extension); {_HOW[device]}"
+    import torch  # noqa: F401  (loads libc10 / libtorch, which the extension links against)
+
+    try:
+        return importlib.import_module(name), ""
+    except ImportError as error:  # e.g. built against another torch, or an ASan build without its runtime
+        return None, f"not built ({name} fails to load: {error}); {_HOW[device]}"
+
+
+def is_built(device: str = "cuda") -> bool:
+    return _load(device)[0] is not None
 
 
 def build_status() -> str:
-    """'built', or 'not built (<why>); <how to build>'."""
-    return _STATUS
+    """'built', 'built (cpu emulation)', 'built (cuda and cpu emulation)', or 'not built (<why>); <how>'."""
+    cuda, cpu = is_built("cuda"), is_built("cpu")
+    if cuda:
+        return "built (cuda and cpu emulation)" if cpu else "built"
+    if cpu:
+        return "built (cpu emulation)"
+    return _load("cuda")[1]
+
+
+def extension(device: str = "cuda") -> object:
+    """The extension module for `device` ('cuda' or 'cpu'), or KernelsNotBuilt with the reason."""
+    if device not in DEVICES:
+        raise ValueError(f"kernels_cuda: device must be one of {', '.join(DEVICES)}, got {device!r}")
+    module, why = _load(device)
+    if module is None:
+        raise KernelsNotBuilt(f"kernels_cuda for {device} is {why}")
+    return module
 
 
 def require_built() -> object:
-    """The extension module, or KernelsNotBuilt with the reason."""
-    if _C is None:
-        raise KernelsNotBuilt(f"kernels_cuda is {_STATUS}")
-    return _C
+    """The CUDA extension module, or KernelsNotBuilt with the reason."""
+    return extension("cuda")
 
 
-from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs require_built)
+def default_device() -> str:
+    """'cuda' where the CUDA build loads and a GPU is present, else 'cpu' (the emulation)."""
+    import torch
+
+    return "cuda" if is_built("cuda") and torch.cuda.is_available() else "cpu"
+
+
+from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs extension)
+from kernels_cuda.emulation import Schedule  # noqa: E402
 from kernels_cuda.internode import EmulatedInternodeGroup, InternodeBuffer, InternodeHandle  # noqa: E402
 from kernels_cuda.internode_config import InternodeConfig  # noqa: E402
 
-__all__ = ["Buffer", "Config", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle", "InternodeBuffer",
-           "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "build_status", "is_built", "require_built"]
+__all__ = ["Buffer", "Config", "DEVICES", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle",
+           "InternodeBuffer", "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "Schedule", "build_status",
+           "default_device", "extension", "is_built", "require_built"]

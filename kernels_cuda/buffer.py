@@ -1,10 +1,11 @@
-"""DeepEP-style Python API over kernels_cuda._C.
+"""DeepEP-style Python API over kernels_cuda's extensions.
 
 `Buffer(group, num_nvl_bytes)`: one rank per process, peers reached over NVLink through CUDA IPC
 handles exchanged with torch.distributed (`get_dispatch_layout`, `dispatch`, `combine`, handles,
 events, as deep_ep.Buffer's intranode path). `EmulatedGroup(num_ranks, num_nvl_bytes)`: every rank
-in this process on one GPU, all ranks' buffers in one allocation; the same calls take and return
-one entry per rank, and one kernel launch covers all ranks.
+in this process on one GPU, or on the CPU emulation (`device="cpu"`, with a `Schedule`), all ranks'
+buffers in one allocation; the same calls take and return one entry per rank, and one kernel launch
+covers all ranks.
 
 A `Buffer` runs its ops on its own communication stream with DeepEP's `previous_event` /
 `async_finish` / `allocate_on_comm_stream` semantics (`kernels_cuda.streams`); an `EmulatedGroup`
@@ -19,6 +20,8 @@ import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, combine_row_shape
+from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
+from kernels_cuda.inputs import check_combine, check_dispatch
 from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
@@ -41,22 +44,28 @@ class Handle:
 class _Engine:
     """Per-rank lists of tensors -> kernel launches; shared by Buffer and EmulatedGroup."""
 
-    def __init__(self, runtime: Any, ext: Any, num_ranks: int, config: Config, timeout_cycles: int,
-                 timeout_s: float) -> None:
-        self.runtime, self.ext, self.num_ranks, self.config = runtime, ext, num_ranks, config
+    def __init__(self, runtime: Any, num_ranks: int, config: Config, timeout_cycles: int, timeout_s: float,
+                 device: str, sms: int) -> None:
+        self.runtime, self.num_ranks, self.config = runtime, num_ranks, config
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
+        self.device, self.sms = device, sms
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int,
                op: CurrentStreamOp = ON_CURRENT_STREAM) -> tuple[torch.Tensor, ...]:
+        if topk_idx.dtype != torch.int64:
+            raise ValueError(f"kernels_cuda get_dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
         with op.launching():  # the extension allocates its outputs where it launches
-            per_rank, _per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
+            per_rank, _per_node, per_expert, in_rank = self.runtime.get_dispatch_layout(
                 topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
         return per_rank, per_expert, in_rank
 
-    def _check(self, config: Config, hidden_bytes: int, num_topk: int, num_experts: int) -> None:
+    def _check(self, config: Config, hidden_bytes: int, num_topk: int, num_experts: int, launch_ranks: int) -> None:
         problem = config.validate(self.num_ranks, hidden_bytes, num_topk, max(1, num_experts // self.num_ranks))
         if problem is not None:
             raise ValueError(f"kernels_cuda: invalid config {config}: {problem}")
+        blocks = launch_ranks * max(config.num_sms, 1 + self.num_ranks)  # dispatch/combine, notify
+        check_resident(f"{launch_ranks} rank(s) x num_sms={config.num_sms}", blocks, self.sms,
+                       "use fewer SMs per rank (Config(num_sms=...)) or fewer ranks per launch")
 
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[tuple[torch.Tensor, ...] | None],
@@ -66,10 +75,12 @@ class _Engine:
         config = config or self.config
         cached = handles[0] is not None
         payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
+        for r, (x, x_scales), idx, weights in zip(ranks, payloads, topk_idx, topk_weights):
+            check_dispatch(self.device, x, x_scales, idx, weights, expert_alignment, r)
         rows, scales = payloads[0]
         hidden_bytes = rows.shape[1] * rows.element_size()
         num_topk = topk_idx[0].shape[1] if topk_idx[0] is not None else 1
-        self._check(config, hidden_bytes, num_topk, num_experts)
+        self._check(config, hidden_bytes, num_topk, num_experts, len(ranks))
         R, channels = self.num_ranks, config.num_channels
         device = rows.device
 
@@ -144,9 +155,11 @@ class _Engine:
                 topk_weights: Sequence[torch.Tensor | None], config: Config | None, stalled_rank: int = -1,
                 op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         config = config or handles[0].config
+        for r, y, h, w in zip(ranks, ys, handles, topk_weights):
+            check_combine(self.device, y, h.num_recv_tokens, w, r)
         y0 = ys[0]
         hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
-        self._check(config, hidden_bytes, num_topk, self.num_ranks)
+        self._check(config, hidden_bytes, num_topk, self.num_ranks, len(ranks))
         with op.launching():
             self.runtime.cached_notify([
                 {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
@@ -188,7 +201,8 @@ class Buffer:
         dist.all_gather_object(handles, self.runtime.ipc_handle(), group=group)
         self.runtime.open_ipc_handles(handles)
         dist.barrier(group=group)
-        self.engine = _Engine(self.runtime, ext, self.num_ranks, config or Config(), timeout_cycles, timeout_s)
+        self.engine = _Engine(self.runtime, self.num_ranks, config or Config(), timeout_cycles, timeout_s, "cuda",
+                              device_sms("cuda", None))
         self.comm_stream = torch.cuda.Stream()
 
     @staticmethod
@@ -235,16 +249,22 @@ class Buffer:
 
 
 class EmulatedGroup:
-    """All `num_ranks` ranks in this process on the current GPU; calls take and return per-rank lists."""
+    """All `num_ranks` ranks in this process, on the current GPU or on the CPU emulation (`device`,
+    default kernels_cuda.default_device(); `schedule` for the emulation); calls take and return
+    per-rank lists of tensors on that device."""
 
     def __init__(self, num_ranks: int, num_nvl_bytes: int, config: Config | None = None,
-                 timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0) -> None:
+                 timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0, device: str | None = None,
+                 schedule: Schedule | None = None) -> None:
         import kernels_cuda
 
-        ext = kernels_cuda.require_built()
+        self.device = resolve_device(device)
+        ext = kernels_cuda.extension(self.device)
         self.num_ranks = num_ranks
         self.runtime = ext.Runtime(0, num_ranks, int(num_nvl_bytes), True)
-        self.engine = _Engine(self.runtime, ext, num_ranks, config or Config(), timeout_cycles, timeout_s)
+        apply_schedule(self.runtime, self.device, schedule)
+        self.engine = _Engine(self.runtime, num_ranks, config or Config(), timeout_cycles, timeout_s, self.device,
+                              device_sms(self.device, schedule))
 
     def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
         """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
@@ -273,7 +293,6 @@ class EmulatedGroup:
         return self.engine.combine(range(self.num_ranks), ys, handles, topk_weights or [None] * self.num_ranks,
                                    config, stalled_rank)
 
-    def error_record(self) -> dict[str, int]:
-        """The first device timeout (code 0 = none): role, rank, channel, peer, head, tail, expected."""
-        keys = ("code", "role", "rank", "channel", "peer", "head", "tail", "expected")
-        return dict(zip(keys, self.runtime.error_record()))
+    def error_record(self) -> dict[str, Any]:
+        """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
+        return C.error_record(self.runtime.error_record())

@@ -1,5 +1,6 @@
 """Build hook for the CUDA extension `kernels_cuda._C`, called from setup.py (or `python -m kernels_cuda.build`
-to build it in place).
+to build it in place; `python -m kernels_cuda.build --device cpu` builds the CPU emulation instead,
+kernels_cuda/build_cpu.py).
 
 The extension is built when torch is a CUDA build and nvcc is found, or when
 MOE_TRAIN_BUILD_CUDA=1 (which turns "cannot build" into an error); MOE_TRAIN_BUILD_CUDA=0 skips
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -186,5 +188,24 @@ def build_inplace() -> None:
         os.chdir(cwd)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`--device cuda` (default): the CUDA extension in place; `--device cpu [--asan] [--jobs N]`: the emulation."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    device = "cuda"
+    if "--device" in args:
+        at = args.index("--device")
+        device = args[at + 1] if at + 1 < len(args) else ""
+        del args[at:at + 2]
+    if device == "cpu":
+        from kernels_cuda import build_cpu
+
+        return build_cpu.main(args)
+    if device != "cuda" or args:
+        print("usage: python -m kernels_cuda.build [--device cuda | --device cpu [--asan] [--jobs N]]", file=sys.stderr)
+        return 2
     build_inplace()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,3 +45,11 @@ DEFAULT_TIMEOUT_CYCLES = CONSTANTS["DEFAULT_TIMEOUT_CYCLES"]
 # Timeout diagnostics: role ids of csrc/ep_diag.h ("kRoleRdmaSender = 9," -> {9: "RdmaSender"}).
 ROLES = {int(value): name for name, value in
          re.findall(r"^\s*kRole(\w+)\s*=\s*(\d+),", (HEADER.parent / "ep_diag.h").read_text(), re.MULTILINE)}
+ERROR_KEYS = ("code", "role", "rank", "channel", "peer", "head", "tail", "expected")
+
+
+def error_record(values: list[int]) -> dict:
+    """A runtime's ErrorRecord (code 0: none, 1: a timeout, 2: num_worst_tokens too small) as a dict, with
+    the role's name."""
+    record = dict(zip(ERROR_KEYS, values))
+    return {**record, "role_name": ROLES.get(record["role"], "none")}

@@ -2,8 +2,9 @@
 rank = node * gpus_per_node + gpu, each with an RDMA region and an NVLink region (DeepEP's
 num_rdma_bytes / num_nvl_bytes).
 
-- `EmulatedInternodeGroup`: every rank in this process on one GPU, one kernel launch for all ranks;
-  the list API of `EmulatedGroup` (so `kernels_cuda.rank_views` and the `native` dispatcher run on it).
+- `EmulatedInternodeGroup`: every rank in this process on one GPU or on the CPU emulation, one kernel
+  launch for all ranks; the list API of `EmulatedGroup` (so `kernels_cuda.rank_views` and the `native`
+  dispatcher run on it).
 - `InternodeBuffer`: this process's rank of a torch.distributed group spanning nodes, with DeepEP's
   Buffer API. The NVLink hop goes through CUDA IPC; the RDMA hop through CUDA IPC as well when all
   ranks share one machine (simulated nodes; tests/gpu runs 2 x 2 ranks as processes on one GPU), or
@@ -22,6 +23,8 @@ import torch
 from kernels_cuda import constants as C
 from kernels_cuda.build import NVSHMEM_HOW
 from kernels_cuda.config import combine_row_shape
+from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
+from kernels_cuda.inputs import check_combine, check_dispatch
 from kernels_cuda.internode_config import InternodeConfig
 from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
 
@@ -29,7 +32,6 @@ Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # (num_tokens_per_rank, num_tokens_per_rdma_rank (per node), num_tokens_per_expert, is_token_in_rank)
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NVSHMEM_NOT_BUILT = f"kernels_cuda was built without NVSHMEM; {NVSHMEM_HOW}; or use dispatcher 'hierarchical'"
-ERROR_KEYS = ("code", "role", "rank", "channel", "peer", "head", "tail", "expected")
 
 
 @dataclass
@@ -59,17 +61,19 @@ class _InternodeEngine:
     """Per-rank lists of tensors -> internode kernel launches (the emulated group launches all ranks, a
     buffer its own). Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
 
-    def __init__(self, runtime: Any, ext: Any, num_nodes: int, gpus_per_node: int, config: InternodeConfig,
-                 timeout_cycles: int, timeout_s: float) -> None:
-        self.runtime, self.ext, self.config = runtime, ext, config
+    def __init__(self, runtime: Any, num_nodes: int, gpus_per_node: int, config: InternodeConfig,
+                 timeout_cycles: int, timeout_s: float, device: str, sms: int) -> None:
+        self.runtime, self.config = runtime, config
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
+        self.device, self.sms = device, sms
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, per node, per expert, is_token_in_rank) from the layout kernel."""
+        if topk_idx.dtype != torch.int64:
+            raise ValueError(f"kernels_cuda get_dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
         with op.launching():  # the extension allocates its outputs where it launches
-            per_rank, per_node, per_expert, in_rank = self.ext.get_dispatch_layout(
-                topk_idx.contiguous(), num_experts, self.num_ranks, self.gpus_per_node)
+            per_rank, per_node, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx.contiguous(), num_experts)
         return per_rank, per_node, per_expert, in_rank
 
     def _settings(self, config: InternodeConfig, **extra: Any) -> dict:
@@ -77,11 +81,14 @@ class _InternodeEngine:
                 "nvl_capacity": config.nvl_capacity, "rdma_chunk": config.rdma_chunk,
                 "rdma_capacity": config.rdma_capacity, "timeout_cycles": self.timeout_cycles, **extra}
 
-    def _check(self, config: InternodeConfig, hidden_bytes: int, num_topk: int, num_experts: int) -> None:
+    def _check(self, config: InternodeConfig, hidden_bytes: int, num_topk: int, num_experts: int,
+               launch_ranks: int) -> None:
         problem = config.validate(self.num_nodes, self.gpus_per_node, hidden_bytes, num_topk,
                                   max(1, num_experts // self.num_ranks))
         if problem is not None:
             raise ValueError(f"kernels_cuda: invalid internode config {config}: {problem}")
+        check_resident(f"{launch_ranks} rank(s) x {config.num_channels} channels", launch_ranks * 2 * config.num_channels,
+                       self.sms, "use fewer channels (InternodeConfig(num_channels=...)) or fewer ranks per launch")
 
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],
@@ -97,10 +104,12 @@ class _InternodeEngine:
         cached = handles[0] is not None
         config = config or (handles[0].config if cached else self.config)
         payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
+        for r, (x, x_scales), idx, weights in zip(ranks, payloads, topk_idx, topk_weights):
+            check_dispatch(self.device, x, x_scales, idx, weights, expert_alignment, r)
         rows0, scales0 = payloads[0]
         device, hidden_bytes = rows0.device, rows0.shape[1] * rows0.element_size()
         num_topk = topk_idx[0].shape[1] if topk_idx[0] is not None else 1
-        self._check(config, hidden_bytes, num_topk, num_experts)
+        self._check(config, hidden_bytes, num_topk, num_experts, len(ranks))
         channels = config.num_channels
         ints = dict(dtype=torch.int32, device=device)
 
@@ -181,9 +190,11 @@ class _InternodeEngine:
                 op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Per rank: (combined_x, combined_topk_weights): unweighted sums over the ranks each token went to."""
         config = config or handles[0].config
+        for r, y, h, w in zip(ranks, ys, handles, topk_weights):
+            check_combine(self.device, y, h.num_recv_tokens, w, r)
         y0 = ys[0]
         hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
-        self._check(config, hidden_bytes, num_topk, self.num_ranks)
+        self._check(config, hidden_bytes, num_topk, self.num_ranks, len(ranks))
         with op.launching():
             self.runtime.cached_notify([
                 {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_rdma_head": h.send_rdma_head,
@@ -214,23 +225,26 @@ class _InternodeEngine:
 
     def error_record(self) -> dict[str, Any]:
         """The first device timeout (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
-        record = dict(zip(ERROR_KEYS, self.runtime.error_record()))
-        return {**record, "role_name": C.ROLES.get(record["role"], "none")}
+        return C.error_record(self.runtime.error_record())
 
 
 class EmulatedInternodeGroup:
-    """All ranks of `num_nodes` x `gpus_per_node` in this process on the current GPU."""
+    """All ranks of `num_nodes` x `gpus_per_node` in this process, on the current GPU or on the CPU
+    emulation (`device` and `schedule` as EmulatedGroup)."""
 
     def __init__(self, num_nodes: int, gpus_per_node: int, num_rdma_bytes: int, num_nvl_bytes: int,
                  config: InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
-                 timeout_s: float = 100.0) -> None:
+                 timeout_s: float = 100.0, device: str | None = None, schedule: Schedule | None = None) -> None:
         import kernels_cuda
 
-        ext = kernels_cuda.require_built()
+        self.device = resolve_device(device)
+        ext = kernels_cuda.extension(self.device)
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.runtime = ext.EmulatedInternodeRuntime(num_nodes, gpus_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
-        self.engine = _InternodeEngine(self.runtime, ext, num_nodes, gpus_per_node,
-                                       config or InternodeConfig.for_nodes(num_nodes), timeout_cycles, timeout_s)
+        apply_schedule(self.runtime, self.device, schedule)
+        self.engine = _InternodeEngine(self.runtime, num_nodes, gpus_per_node,
+                                       config or InternodeConfig.for_nodes(num_nodes), timeout_cycles, timeout_s,
+                                       self.device, device_sms(self.device, schedule))
 
     def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
         """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank), as EmulatedGroup."""
@@ -324,8 +338,9 @@ class InternodeBuffer:
         dist.all_gather_object(handles, self.runtime.ipc_handles(), group=group)
         self.runtime.open_ipc_handles(handles)
         dist.barrier(group=group)
-        self.engine = _InternodeEngine(self.runtime, ext, self.num_nodes, ranks_per_node,
-                                       config or InternodeConfig.for_nodes(self.num_nodes), timeout_cycles, timeout_s)
+        self.engine = _InternodeEngine(self.runtime, self.num_nodes, ranks_per_node,
+                                       config or InternodeConfig.for_nodes(self.num_nodes), timeout_cycles, timeout_s,
+                                       "cuda", device_sms("cuda", None))
         self.comm_stream = torch.cuda.Stream()
 
     @staticmethod

@@ -5,13 +5,20 @@
 #include <cstdio>
 
 #include "ep_diag.h"
+#include "ep_ptx.cuh"
 
 namespace ep {
 
+// In the CPU emulation a virtual clock: timeouts are deterministic, and after a deadlock the
+// emulator lets every spin budget expire so that each waiting role reports here.
 __device__ __forceinline__ long long cycle_counter() {
+#if defined(EP_CPU_EMULATION)
+    return clock64();
+#else
     long long value;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(value));
     return value;
+#endif
 }
 
 struct SpinBudget {
@@ -21,9 +28,27 @@ struct SpinBudget {
     __device__ __forceinline__ bool expired() const { return cycle_counter() - start > budget; }
 };
 
+// A trap ends every thread of the kernel at once, so the record is written by one thread and never cut
+// short: the first failing thread claims it (code -1 while it writes), fills it and publishes the code;
+// any other failing thread waits for the code before it traps.
+__device__ __forceinline__ bool claim_error(ErrorRecord* record) {
+    return record != nullptr && atomicCAS_system(&record->code, 0, -1) == 0;
+}
+
+__device__ __forceinline__ void publish_error(ErrorRecord* record, int code) {
+    __threadfence_system();
+    st_release<Scope::kSys>(&record->code, code);
+}
+
+__device__ __forceinline__ void await_error(ErrorRecord* record) {
+    if (record == nullptr) return;
+    for (int i = 0; i < (1 << 20) && ld_acquire<Scope::kSys>(&record->code) < 0; ++i) {
+    }
+}
+
 __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role, int rank, int channel, int peer,
                                                     int head, int tail, int expected) {
-    if (record != nullptr && atomicCAS_system(&record->code, 0, 1) == 0) {
+    if (claim_error(record)) {
         record->role = role;
         record->rank = rank;
         record->channel = channel;
@@ -31,7 +56,9 @@ __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role
         record->head = head;
         record->tail = tail;
         record->expected = expected;
-        __threadfence_system();
+        publish_error(record, 1);
+    } else {
+        await_error(record);
     }
     printf("kernels_cuda timeout: role=%d rank=%d channel=%d peer=%d head=%d tail=%d expected=%d\n", role, rank,
            channel, peer, head, tail, expected);
@@ -42,14 +69,16 @@ __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role
 // more rows than that records it (code 2) and traps before any block writes past the end.
 __device__ __forceinline__ void check_worst_tokens(ErrorRecord* record, int role, int rank, int rows, int limit) {
     if (limit <= 0 || rows <= limit) return;
-    if (threadIdx.x == 0 && record != nullptr && atomicCAS_system(&record->code, 0, 2) == 0) {
+    if (claim_error(record)) {
         record->role = role;
         record->rank = rank;
         record->channel = record->peer = record->head = -1;
         record->tail = rows;
         record->expected = limit;
-        __threadfence_system();
+        publish_error(record, 2);
         printf("kernels_cuda: rank %d receives %d rows but num_worst_tokens is %d\n", rank, rows, limit);
+    } else {
+        await_error(record);
     }
     __trap();
 }

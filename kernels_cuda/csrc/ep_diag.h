@@ -30,7 +30,8 @@ enum Role : int {
 
 // Host-mapped; written once by the first spin that times out. Read by Runtime.error_record().
 struct ErrorRecord {
-    int code;  // 0: none, 1: timeout, 2: more rows than num_worst_tokens (tail = rows, expected = limit)
+    int code;  // 0: none, 1: timeout, 2: more rows than num_worst_tokens (tail = rows, expected = limit),
+               // -1: being written (the kernel stopped before the record was complete)
     int role;
     int rank;
     int channel;

@@ -8,9 +8,10 @@
 
 namespace ep {
 
+// Every launch goes through cudaLaunchKernelEx (no `<<<>>>`), which the CPU emulation provides too.
 template <typename Params>
-inline cudaError_t launch_cooperative(void (*kernel)(Params), int blocks, int threads, cudaStream_t stream,
-                                      const Params& params) {
+inline cudaError_t launch(void (*kernel)(Params), int blocks, int threads, cudaStream_t stream, const Params& params,
+                          bool cooperative) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(blocks);
     config.blockDim = dim3(threads);
@@ -20,8 +21,14 @@ inline cudaError_t launch_cooperative(void (*kernel)(Params), int blocks, int th
     attribute[0].id = cudaLaunchAttributeCooperative;
     attribute[0].val.cooperative = 1;
     config.attrs = attribute;
-    config.numAttrs = 1;
+    config.numAttrs = cooperative ? 1 : 0;
     return cudaLaunchKernelEx(&config, kernel, params);
+}
+
+template <typename Params>
+inline cudaError_t launch_cooperative(void (*kernel)(Params), int blocks, int threads, cudaStream_t stream,
+                                      const Params& params) {
+    return launch(kernel, blocks, threads, stream, params, true);
 }
 
 // Internode launches: the EMULATED and the IPC (kNvlink: one rank per process, every hop through

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels_cuda import Config, EmulatedGroup
-from tests.gpu.cases import payload, routing, weights
+from tests.kernels.cases import payload, routing, weights
 
 
 def _time_ms(fn, iters: int = 10) -> float:

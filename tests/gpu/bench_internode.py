@@ -12,8 +12,8 @@ import torch
 from kernels_cuda import Config, EmulatedGroup, EmulatedInternodeGroup, InternodeConfig
 from parallel.dispatch.base import DISPATCH, INTER_NODE, INTRA_NODE
 from tests.gpu.bench_emulated import _time_ms
-from tests.gpu.cases import node_limited_routing, payload, weights
-from tests.gpu.reference_internode import kernel_hop_rows
+from tests.kernels.cases import node_limited_routing, payload, weights
+from tests.kernels.reference_internode import kernel_hop_rows
 
 
 def main() -> None:

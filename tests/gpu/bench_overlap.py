@@ -23,7 +23,7 @@ from model.rope import RotaryEmbedding
 from moe_train.config import load_config
 from parallel.dispatch.handles import StreamHandle, comm_stream, complete
 from parallel.pipeline.overlap import FBOverlap
-from tests.gpu.cases import payload, routing, weights
+from tests.kernels.cases import payload, routing, weights
 
 RANKS, TOKENS = 8, 4096
 ROOT = Path(__file__).resolve().parents[2]

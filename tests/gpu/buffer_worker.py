@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from kernels_cuda import Buffer, Config, InternodeBuffer, InternodeConfig
 from parallel.dispatch.layout import compute_layout
-from tests.gpu.cases import payload, routing, weights
-from tests.gpu.reference import reference_combine, reference_dispatch
+from tests.kernels.cases import payload, routing, weights
+from tests.kernels.reference import reference_combine, reference_dispatch
 
 TOKENS, HIDDEN, TOPK = 80, 256, 4
 # Processes on one GPU time-slice rather than run side by side, so spinning kernels get a wide budget.

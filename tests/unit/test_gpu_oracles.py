@@ -1,6 +1,6 @@
 """The GPU tests' oracles and inputs, checked on CPU so that a GPU session's failures are the kernels':
-tests/gpu/reference.py against the `alltoall` backend, tests/gpu/reference_internode.py's per-hop
-counting against a torch model of the two-hop kernels, and tests/gpu/cases.py's routings doing what
+tests/kernels/reference.py against the `alltoall` backend, tests/kernels/reference_internode.py's per-hop
+counting against a torch model of the two-hop kernels, and tests/kernels/cases.py's routings doing what
 their names promise."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from parallel.dispatch import AllToAllDispatcher
 from parallel.dispatch.fp8 import dequantize_e4m3
 from parallel.dispatch.simulated import SimulatedEPGroup
-from tests.gpu.cases import node_limited_routing, payload, quantize, routing, weights
-from tests.gpu.reference import layouts_of, reference_combine, reference_dispatch
-from tests.gpu.reference_internode import kernel_hop_rows, run_hierarchical
+from tests.kernels.cases import node_limited_routing, payload, quantize, routing, weights
+from tests.kernels.reference import layouts_of, reference_combine, reference_dispatch
+from tests.kernels.reference_internode import kernel_hop_rows, run_hierarchical
 from tests.unit.kernel_standins import TorchEmulatedInternodeGroup
 
 TOKENS, HIDDEN, TOPK = 24, 64, 4
@@ -44,7 +44,7 @@ def test_reference_dispatch_and_combine_equal_the_alltoall_backend(kind):
 
 @pytest.mark.parametrize("nodes,gpus", [(2, 2), (2, 4), (4, 2)])
 def test_hop_counts_of_the_two_hop_model_equal_the_hierarchical_counters(nodes, gpus):
-    """What tests/gpu/test_internode_emulated.py asserts of the kernels' handles holds for a torch model
+    """What tests/kernels/test_internode.py asserts of the kernels' handles holds for a torch model
     of the same protocol, so a mismatch there points at the kernels, not at the counting."""
     R, E = nodes * gpus, 4 * nodes * gpus
     topk = node_limited_routing(nodes, gpus, TOKENS, E, TOPK, max_nodes=2, seed=R, device="cpu")

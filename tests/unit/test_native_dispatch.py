@@ -200,7 +200,7 @@ def _fake_group_comms(ep: int, per_node: int) -> EPComms:
 
 
 def test_make_dispatcher_native_selection(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: True)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     d = make_dispatcher("native", _fake_group_comms(4, 4), E, fp8=True)
     assert isinstance(d, NativeDispatcher) and (d.num_ranks, d.rank, d.fp8) == (4, 0, True)

@@ -206,7 +206,7 @@ def _group_comms(ep: int, per_node: int, rank: int = 0) -> EPComms:
 
 
 def _pretend_built(monkeypatch, with_nvshmem: bool, one_machine: bool = False) -> None:
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: True)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
     monkeypatch.setattr(kernels_cuda, "require_built", lambda: SimpleNamespace(with_nvshmem=with_nvshmem))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pd, "job_on_one_machine", lambda: one_machine)
@@ -274,12 +274,12 @@ def test_make_dispatcher_refuses_what_the_internode_kernels_cannot_reach(native_
 
 
 def test_make_dispatcher_without_the_kernels_points_to_hierarchical(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: False)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
     with pytest.raises(DispatcherUnavailable, match="not built.*use 'hierarchical'$"):
         make_dispatcher("native", _group_comms(4, 2), 8)  # across nodes: hierarchical only
     with pytest.raises(DispatcherUnavailable, match="use 'alltoall' or 'hierarchical'$"):
         make_dispatcher("native", _group_comms(4, 4), 8)
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: True)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DispatcherUnavailable, match="no CUDA device.*'hierarchical'"):
         make_dispatcher("native", _group_comms(4, 2), 8)
@@ -300,7 +300,7 @@ def _topology(ep: int, ep_nodes: int) -> SimpleNamespace:
 
 
 def test_start_up_refuses_native_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: False)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
     config = load_config(TINY, ["parallel.dispatcher=native"])
     for topology in (None, _topology(4, 2), _topology(4, 1)):
         with pytest.raises(ConfigError) as err:
@@ -311,7 +311,7 @@ def test_start_up_refuses_native_where_it_cannot_run(monkeypatch):
 
 
 def test_training_with_native_where_it_cannot_run_stops_before_any_work(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: False)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
     for name in ("WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     code = main(["--config", TINY, "--set", "parallel.dispatcher=native", "--set", f"logging.dir={tmp_path / 'run'}",
@@ -339,7 +339,7 @@ def test_start_up_refuses_native_across_nodes_without_nvshmem(monkeypatch):
 
 @pytest.mark.parametrize("built", [False, True])
 def test_auto_never_picks_native(monkeypatch, built):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda: built)
+    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": built)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: built)
     config = load_config(TINY)
     assert config.parallel.dispatcher == "auto"

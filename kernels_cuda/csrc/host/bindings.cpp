@@ -1,9 +1,8 @@
-// Host side of kernels_cuda._C (torch extension): owns the communication buffer(s), the
-// host-mapped counters and error record, exchanges CUDA IPC handles, validates configurations
-// (ep_config.h) and fills the kernels' parameter blocks from per-rank dicts of tensors. Every op
-// takes a list with one dict per rank of the launch: all ranks (EMULATED) or this rank (NVLINK).
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
+// Host side of kernels_cuda._C (torch extension; kernels_cuda._C_cpu in the CPU emulation build):
+// owns the communication buffer(s), the host-mapped counters and error record, exchanges CUDA IPC
+// handles, validates configurations (ep_config.h) and fills the kernels' parameter blocks from
+// per-rank dicts of tensors. Every op takes a list with one dict per rank of the launch: all ranks
+// (EMULATED) or this rank (NVLINK).
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -13,11 +12,32 @@
 
 #include "../ep_diag.h"
 #include "../ep_params.h"
+#include "device_api.h"
 #include "internode_runtime.h"
 #include "ipc.h"
 #include "tensor_args.h"
 
 namespace py = pybind11;
+
+std::vector<at::Tensor> dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int ranks_per_node,
+                                        cudaStream_t stream) {
+    TORCH_CHECK(on_launch_device(topk_idx) && topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong &&
+                    topk_idx.is_contiguous(),
+                "kernels_cuda: topk_idx must be a contiguous int64 [N, K] tensor on the ", kLaunchDevice);
+    TORCH_CHECK(num_experts % num_ranks == 0 && num_ranks % ranks_per_node == 0,
+                "kernels_cuda: experts must split evenly over ranks, ranks over nodes");
+    const DeviceGuard guard(topk_idx.device());
+    auto ints = topk_idx.options().dtype(at::kInt);
+    auto per_rank = at::empty({num_ranks}, ints);
+    auto per_node = at::empty({num_ranks / ranks_per_node}, ints);
+    auto per_expert = at::empty({num_experts}, ints);
+    auto in_rank = at::empty({topk_idx.size(0), num_ranks}, topk_idx.options().dtype(at::kBool));
+    ep::LayoutParams p{topk_idx.data_ptr<int64_t>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
+                       num_experts, num_ranks, ranks_per_node, per_rank.data_ptr<int>(), per_node.data_ptr<int>(),
+                       per_expert.data_ptr<int>(), in_rank.data_ptr<bool>()};
+    check_cuda(ep::launch_get_dispatch_layout(p, stream), "get_dispatch_layout");
+    return {per_rank, per_node, per_expert, in_rank};
+}
 
 namespace {
 
@@ -32,6 +52,7 @@ class Runtime {
         const int64_t total = emulated ? num_bytes * num_ranks : num_bytes;
         check_cuda(cudaMalloc(&base_, total), "cudaMalloc(buffer)");
         check_cuda(cudaMemset(base_, 0, total), "cudaMemset(buffer)");
+        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any peer maps it
         for (int r = 0; r < ep::kMaxRanks; ++r) peers_[r] = nullptr;
         if (emulated) {
             for (int r = 0; r < num_ranks; ++r) peers_[r] = static_cast<uint8_t*>(base_) + r * num_bytes;
@@ -70,24 +91,9 @@ class Runtime {
             if (r != rank_) peers_[r] = open_ipc_handle(handles[r]);
     }
 
-    static std::vector<at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks,
-                                                       int ranks_per_node) {
-        TORCH_CHECK(topk_idx.is_cuda() && topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong &&
-                        topk_idx.is_contiguous(),
-                    "kernels_cuda: topk_idx must be a contiguous int64 [N, K] CUDA tensor");
-        TORCH_CHECK(num_experts % num_ranks == 0 && num_ranks % ranks_per_node == 0,
-                    "kernels_cuda: experts must split evenly over ranks, ranks over nodes");
-        const c10::cuda::CUDAGuard guard(topk_idx.device());
-        auto ints = topk_idx.options().dtype(at::kInt);
-        auto per_rank = at::empty({num_ranks}, ints);
-        auto per_node = at::empty({num_ranks / ranks_per_node}, ints);
-        auto per_expert = at::empty({num_experts}, ints);
-        auto in_rank = at::empty({topk_idx.size(0), num_ranks}, topk_idx.options().dtype(at::kBool));
-        ep::LayoutParams p{topk_idx.data_ptr<int64_t>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
-                           num_experts, num_ranks, ranks_per_node, per_rank.data_ptr<int>(), per_node.data_ptr<int>(),
-                           per_expert.data_ptr<int>(), in_rank.data_ptr<bool>()};
-        check_cuda(ep::launch_get_dispatch_layout(p, c10::cuda::getCurrentCUDAStream()), "get_dispatch_layout");
-        return {per_rank, per_node, per_expert, in_rank};
+    std::vector<at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks,
+                                                int ranks_per_node) {
+        return dispatch_layout(topk_idx, num_experts, num_ranks, ranks_per_node, stream_.get());
     }
 
     // Counts exchange; resets this launch's mapped counters to -1 first.
@@ -115,16 +121,26 @@ class Runtime {
             // otherwise land after the next notify reset the counters and pass for its counts.
             if (!publishes_counts(d)) continue;
             recv_counter_[i] = -1;
+            for (int e = 0; e < p.num_experts / num_ranks_; ++e) recv_expert_counter_[i * ep::kMaxLocalExperts + e] = -1;
             a.recv_counter = d_recv_counter_ + i;
             a.recv_expert_counter = d_recv_expert_counter_ + i * ep::kMaxLocalExperts;
         }
-        check_cuda(ep::launch_notify_dispatch(p, backend(), c10::cuda::getCurrentCUDAStream()), "notify_dispatch");
+        check_cuda(ep::launch_notify_dispatch(p, backend(), stream_.get()), "notify_dispatch");
     }
 
-    // Host wait (with its own timeout) for the counts published by notify_dispatch.
+    // Host wait (with its own timeout) for the counts published by notify_dispatch: the total and every
+    // per-expert count, each reset to -1 by the notify (a weakly ordered host, e.g. aarch64, could
+    // otherwise read an expert count of the previous op after seeing this op's total).
     std::vector<std::pair<int, std::vector<int>>> wait_recv_counts(int num_launch_ranks, int local_experts, double timeout_s) {
         volatile int* counters = recv_counter_;
-        wait_for_counts(num_launch_ranks, timeout_s, [&](int i) { return counters[i] >= 0; }, [&] {
+        volatile int* experts = recv_expert_counter_;
+        const auto ready = [&](int i) {
+            if (counters[i] < 0) return false;
+            for (int e = 0; e < local_experts; ++e)
+                if (experts[i * ep::kMaxLocalExperts + e] < 0) return false;
+            return true;
+        };
+        wait_for_counts(num_launch_ranks, timeout_s, ready, [&] {
             std::string text;
             for (int j = 0; j < num_launch_ranks; ++j) text += std::to_string(counters[j]) + " ";
             return "kernels_cuda: timeout waiting for the receive counts (dispatch CPU); counters: " + text +
@@ -132,9 +148,9 @@ class Runtime {
         });
         std::vector<std::pair<int, std::vector<int>>> out;
         for (int i = 0; i < num_launch_ranks; ++i) {
-            std::vector<int> experts(local_experts);
-            for (int e = 0; e < local_experts; ++e) experts[e] = recv_expert_counter_[i * ep::kMaxLocalExperts + e];
-            out.emplace_back(counters[i], experts);
+            std::vector<int> per_expert(local_experts);
+            for (int e = 0; e < local_experts; ++e) per_expert[e] = experts[i * ep::kMaxLocalExperts + e];
+            out.emplace_back(counters[i], per_expert);
         }
         return out;
     }
@@ -152,7 +168,7 @@ class Runtime {
             a.send_head = ptr_or_null<int>(d, "send_head");
             a.channel_prefix_matrix = ptr<int>(d, "channel_prefix_matrix");
         }
-        check_cuda(ep::launch_cached_notify(p, backend(), c10::cuda::getCurrentCUDAStream()), "cached_notify");
+        check_cuda(ep::launch_cached_notify(p, backend(), stream_.get()), "cached_notify");
     }
 
     void dispatch(const std::vector<py::dict>& ranks, const py::dict& s) {
@@ -195,7 +211,7 @@ class Runtime {
             a.recv_channel_offset = ptr<int>(d, "recv_channel_offset");
             a.send_head = ptr<int>(d, "send_head");
         }
-        check_cuda(ep::launch_dispatch(p, backend(), c10::cuda::getCurrentCUDAStream()), "dispatch");
+        check_cuda(ep::launch_dispatch(p, backend(), stream_.get()), "dispatch");
     }
 
     void combine(const std::vector<py::dict>& ranks, const py::dict& s) {
@@ -226,7 +242,7 @@ class Runtime {
             a.combined_x = ptr<void>(d, "combined_x");
             a.combined_topk_weights = ptr_or_null<float>(d, "combined_topk_weights");
         }
-        check_cuda(ep::launch_combine(p, backend(), payload, c10::cuda::getCurrentCUDAStream()), "combine");
+        check_cuda(ep::launch_combine(p, backend(), payload, stream_.get()), "combine");
     }
 
     std::vector<int> error_record() const {
@@ -236,6 +252,7 @@ class Runtime {
 
     int64_t num_bytes() const { return num_bytes_; }
     bool emulated() const { return emulated_; }
+    LaunchStream& launch_stream() { return stream_; }
 
    private:
     ep::Backend backend() const { return emulated_ ? ep::Backend::kEmulated : ep::Backend::kNvlink; }
@@ -272,6 +289,7 @@ class Runtime {
 
     std::string describe_error() const { return describe_timeout(*error_); }
 
+    LaunchStream stream_;
     int rank_, num_ranks_;
     int64_t num_bytes_;
     bool emulated_;
@@ -289,9 +307,9 @@ class Runtime {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "kernels_cuda: EP dispatch/combine kernels (see kernels_cuda/buffer.py, kernels_cuda/internode.py)";
-    m.def("get_dispatch_layout", &Runtime::get_dispatch_layout);
-    py::class_<Runtime>(m, "Runtime")
-        .def(py::init<int, int, int64_t, bool>())
+    py::class_<Runtime> runtime(m, "Runtime");
+    runtime.def(py::init<int, int, int64_t, bool>())
+        .def("get_dispatch_layout", &Runtime::get_dispatch_layout)
         .def("ipc_handle", &Runtime::ipc_handle)
         .def("open_ipc_handles", &Runtime::open_ipc_handles)
         .def("notify_dispatch", &Runtime::notify_dispatch)
@@ -302,5 +320,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("error_record", &Runtime::error_record)
         .def_property_readonly("num_bytes", &Runtime::num_bytes)
         .def_property_readonly("emulated", &Runtime::emulated);
+#if defined(EP_CPU_EMULATION)
+    runtime.def("set_schedule", [](Runtime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
+                                   int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
+    m.attr("device") = "cpu";
+#else
+    m.attr("device") = "cuda";
+#endif
     register_internode(m);
 }

@@ -9,8 +9,6 @@
 //                               nodes on one machine (Backend::kNvlink), or
 //     NvshmemInternodeRuntime   in NVSHMEM's symmetric heap (PE = rank, nvshmem_world.h; EP_WITH_NVSHMEM
 //                               builds), for real nodes (Backend::kNvshmem).
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -22,6 +20,7 @@
 #include <vector>
 
 #include "../ep_internode_params.h"
+#include "device_api.h"
 #include "internode_runtime.h"
 #include "ipc.h"
 #include "tensor_args.h"
@@ -97,19 +96,28 @@ class InternodeRuntime {
             if (!publishes_counts(d)) continue;
             recv_counter_[i] = -1;
             recv_rdma_counter_[i] = -1;
+            for (int e = 0; e < p.num_experts / (nodes_ * gpus_); ++e) recv_expert_counter_[i * ep::kMaxLocalExperts + e] = -1;
             a.recv_counter = d_recv_counter_ + i;
             a.recv_rdma_counter = d_recv_rdma_counter_ + i;
             a.recv_expert_counter = d_recv_expert_counter_ + i * ep::kMaxLocalExperts;
         }
-        check_cuda(ep::launch_internode_notify(p, backend_, c10::cuda::getCurrentCUDAStream()), "internode notify");
+        check_cuda(ep::launch_internode_notify(p, backend_, stream_.get()), "internode notify");
     }
 
-    // Per launch rank: (rows to receive, records to receive over RDMA, rows per local expert).
+    // Per launch rank: (rows to receive, records to receive over RDMA, rows per local expert). Every
+    // count is reset to -1 by the notify and polled here (see Runtime::wait_recv_counts).
     std::vector<std::tuple<int, int, std::vector<int>>> wait_recv_counts(int num_launch_ranks, int local_experts,
                                                                          double timeout_s) {
         volatile int* rows = recv_counter_;
         volatile int* records = recv_rdma_counter_;
-        wait_for_counts(num_launch_ranks, timeout_s, [&](int i) { return rows[i] >= 0 && records[i] >= 0; }, [&] {
+        volatile int* experts = recv_expert_counter_;
+        const auto ready = [&](int i) {
+            if (rows[i] < 0 || records[i] < 0) return false;
+            for (int e = 0; e < local_experts; ++e)
+                if (experts[i * ep::kMaxLocalExperts + e] < 0) return false;
+            return true;
+        };
+        wait_for_counts(num_launch_ranks, timeout_s, ready, [&] {
             std::string text;
             for (int j = 0; j < num_launch_ranks; ++j) text += std::to_string(rows[j]) + "/" + std::to_string(records[j]) + " ";
             return "kernels_cuda: timeout waiting for the receive counts (internode dispatch CPU); rows/RDMA records "
@@ -117,12 +125,18 @@ class InternodeRuntime {
         });
         std::vector<std::tuple<int, int, std::vector<int>>> out;
         for (int i = 0; i < num_launch_ranks; ++i) {
-            std::vector<int> experts(local_experts);
-            for (int e = 0; e < local_experts; ++e) experts[e] = recv_expert_counter_[i * ep::kMaxLocalExperts + e];
-            out.emplace_back(rows[i], records[i], experts);
+            std::vector<int> per_expert(local_experts);
+            for (int e = 0; e < local_experts; ++e) per_expert[e] = experts[i * ep::kMaxLocalExperts + e];
+            out.emplace_back(rows[i], records[i], per_expert);
         }
         return out;
     }
+
+    std::vector<at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts) {
+        return dispatch_layout(topk_idx, num_experts, nodes_ * gpus_, gpus_, stream_.get());
+    }
+
+    LaunchStream& launch_stream() { return stream_; }
 
     void cached_notify(const std::vector<py::dict>& ranks, const py::dict& s) {
         ep::InternodeCachedNotifyParams p{};
@@ -141,7 +155,7 @@ class InternodeRuntime {
             a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
             a.recv_rdma_channel_offset = ptr<int>(d, "recv_rdma_channel_offset");
         }
-        check_cuda(ep::launch_internode_cached_notify(p, backend_, c10::cuda::getCurrentCUDAStream()),
+        check_cuda(ep::launch_internode_cached_notify(p, backend_, stream_.get()),
                    "internode cached notify");
     }
 
@@ -186,7 +200,7 @@ class InternodeRuntime {
             a.send_rdma_head = ptr<int>(d, "send_rdma_head");
             a.send_nvl_head = ptr<int>(d, "send_nvl_head");
         }
-        check_cuda(ep::launch_internode_dispatch(p, backend_, c10::cuda::getCurrentCUDAStream()),
+        check_cuda(ep::launch_internode_dispatch(p, backend_, stream_.get()),
                    "internode dispatch");
     }
 
@@ -219,7 +233,7 @@ class InternodeRuntime {
             a.combined_x = ptr<void>(d, "combined_x");
             a.combined_topk_weights = ptr_or_null<float>(d, "combined_topk_weights");
         }
-        check_cuda(ep::launch_internode_combine(p, backend_, payload, c10::cuda::getCurrentCUDAStream()),
+        check_cuda(ep::launch_internode_combine(p, backend_, payload, stream_.get()),
                    "internode combine");
     }
 
@@ -309,6 +323,7 @@ class InternodeRuntime {
     std::string describe_error() const { return describe_timeout(*error_); }
 
     const ep::Backend backend_;
+    LaunchStream stream_;
     std::vector<HostMemory> host_memory_;
     int* recv_counter_ = nullptr;
     int* recv_rdma_counter_ = nullptr;
@@ -484,14 +499,19 @@ class NvshmemInternodeRuntime final : public ProcessInternodeRuntime {
 }  // namespace
 
 void register_internode(py::module_& m) {
-    py::class_<InternodeRuntime>(m, "InternodeRuntime")
-        .def("notify", &InternodeRuntime::notify)
+    py::class_<InternodeRuntime> runtime(m, "InternodeRuntime");
+    runtime.def("notify", &InternodeRuntime::notify)
+        .def("get_dispatch_layout", &InternodeRuntime::get_dispatch_layout)
         .def("wait_recv_counts", &InternodeRuntime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
         .def("cached_notify", &InternodeRuntime::cached_notify)
         .def("dispatch", &InternodeRuntime::dispatch)
         .def("combine", &InternodeRuntime::combine)
         .def("error_record", &InternodeRuntime::error_record)
         .def_static("region_bytes", &InternodeRuntime::region_bytes);
+#if defined(EP_CPU_EMULATION)
+    runtime.def("set_schedule", [](InternodeRuntime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
+                                   int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
+#endif
     py::class_<EmulatedInternodeRuntime, InternodeRuntime>(m, "EmulatedInternodeRuntime")
         .def(py::init<int, int, int64_t, int64_t>());
     py::class_<ProcessInternodeRuntime, InternodeRuntime>(m, "ProcessInternodeRuntime")

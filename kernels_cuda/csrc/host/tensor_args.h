@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "../ep_diag.h"
+#include "device_api.h"
 
 namespace py = pybind11;
 
@@ -20,7 +21,7 @@ template <typename T>
 inline T* ptr_or_null(const py::dict& d, const char* key) {
     if (!d.contains(key) || d[key].is_none()) return nullptr;
     auto t = d[key].cast<at::Tensor>();
-    TORCH_CHECK(t.is_cuda(), "kernels_cuda: tensor '", key, "' must be on the GPU");
+    TORCH_CHECK(on_launch_device(t), "kernels_cuda: tensor '", key, "' must be on the ", kLaunchDevice);
     return static_cast<T*>(t.data_ptr());
 }
 
@@ -53,6 +54,7 @@ inline bool publishes_counts(const py::dict& d) { return !d.contains("publish_co
 // waited on), or a num_worst_tokens overflow.
 inline std::string describe_timeout(const ep::ErrorRecord& e) {
     if (e.code == 0) return "no device timeout recorded";
+    if (e.code < 0) return "a device error was being recorded when the kernel stopped";
     if (e.code == 2)
         return "num_worst_tokens too small: rank " + std::to_string(e.rank) + " receives " + std::to_string(e.tail) +
                " rows (or RDMA records), more than num_worst_tokens=" + std::to_string(e.expected);

@@ -129,7 +129,8 @@ __device__ void forwarder(const Ctx& x, const RdmaTransport<B>& rdma, const Tran
         __syncwarp();
         for (int i = chunk; i < chunk + batch; ++i) {
             const int slot = lane < G ? a.send_nvl_head[static_cast<int64_t>(first + i) * G + lane] : -1;
-            fence_acq_rel<S>();  // the previous record's reads are done before its slots are released
+            __syncwarp();  // every lane's reads of the previous record are done before its slots are released
+            fence_acq_rel<S>();
             if (lane < G) {
                 shared.next[n][lane] = slot >= 0 ? slot : -slot - 1;
                 if (slot >= 0) wait_for_data<S>(tail_word, slot, slot, data_ctx);
@@ -214,7 +215,8 @@ __device__ void rdma_receiver(const Ctx& x, const RdmaTransport<B>& rdma, volati
     channel_range(a.num_tokens, p.num_channels, x.channel, &begin, &end);
     for (int t = begin + w; t < end; t += kRdmaReceiverWarps) {
         const int slot = lane < N ? a.send_rdma_head[static_cast<int64_t>(t) * N + lane] : -1;
-        fence_acq_rel<RdmaTransport<B>::kScope>();  // the previous token's reads are done before its slots are released
+        __syncwarp();  // every lane's reads of the previous token are done before its slots are released
+        fence_acq_rel<RdmaTransport<B>::kScope>();
         if (lane < N) {
             shared.next[w][lane] = slot >= 0 ? slot : -slot - 1;
             if (slot >= 0) wait_for_data<RdmaTransport<B>::kScope>(tail_word, slot, slot, ctx);
@@ -285,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_combine_kernel(const __
     const int warp = warp_id();
 
     if (blockIdx.x % 2 == 0) {
-        __shared__ ReceiverShared receivers;
+        EP_SHARED(ReceiverShared, receivers, );
         for (int i = threadIdx.x; i < kRdmaReceiverWarps * kMaxRdmaPeers; i += blockDim.x)
             receivers.next[i / kMaxRdmaPeers][i % kMaxRdmaPeers] = 0;
         if (threadIdx.x < kRdmaReceiverWarps) receivers.retired[threadIdx.x] = 0;
@@ -300,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_combine_kernel(const __
         }
         return;
     }
-    __shared__ ForwarderShared forwarders;
+    EP_SHARED(ForwarderShared, forwarders, );
     for (int i = threadIdx.x; i < kMaxRdmaPeers * kMaxNvlPeers; i += blockDim.x) forwarders.next[i / kMaxNvlPeers][i % kMaxNvlPeers] = 0;
     if (threadIdx.x < kMaxRdmaPeers) forwarders.retired[threadIdx.x] = 0;
     __syncthreads();

@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(const _
 
     if (blockIdx.x % 2 == 1) {
         clear_unused_rows(p, a, x.channel);
-        __shared__ volatile int released[kMaxRdmaPeers];
+        EP_SHARED(volatile int, released, [kMaxRdmaPeers]);
         if (threadIdx.x < kMaxRdmaPeers) released[threadIdx.x] = 0;
         __syncthreads();
         if (warp < kRdmaSenderWarps)
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) internode_dispatch_kernel(const _
             nvl_receiver(x, nvl, warp - kFirstReceiver);
         return;
     }
-    __shared__ ForwarderShared shared;
+    EP_SHARED(ForwarderShared, shared, );
     for (int i = threadIdx.x; i < kMaxNvlPeers * kMaxRdmaPeers; i += blockDim.x) shared.head[i / kMaxRdmaPeers][i % kMaxRdmaPeers] = 0;
     if (threadIdx.x < kMaxNvlPeers) shared.retired[threadIdx.x] = 0;
     __syncthreads();

@@ -102,7 +102,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
 // Destination node m: per channel (one warp each) the tokens to m and to each GPU of m.
 __device__ void channel_prefixes(const InternodeNotifyParams& p, const InternodeNotifyRankArgs& a, int m) {
     const int G = p.gpus, R = p.num_nodes * G, C = p.num_channels;
-    __shared__ int per_channel[kMaxChannels][kMaxNvlPeers + 1];
+    EP_SHARED(int, per_channel, [kMaxChannels][kMaxNvlPeers + 1]);
     for (int c = warp_id(); c < C; c += blockDim.x / 32) {
         int begin, end;
         channel_range(a.num_tokens, C, c, &begin, &end);

@@ -63,8 +63,8 @@ __device__ void combine_receiver(const CombineParams& p, const CombineRankArgs& 
     const int num_ranks = p.num_ranks, me = a.rank;
     const BufferLayout& layout = p.layout;
     // next_slot[w][r]: the smallest slot of ring r that reducer w may still read.
-    __shared__ volatile int next_slot[kCombineWarps][kMaxRanks];
-    __shared__ volatile int retired[kCombineWarps];
+    EP_SHARED(volatile int, next_slot, [kCombineWarps][kMaxRanks]);
+    EP_SHARED(volatile int, retired, [kCombineWarps]);
     for (int i = threadIdx.x; i < kCombineWarps * kMaxRanks; i += blockDim.x) next_slot[i / kMaxRanks][i % kMaxRanks] = 0;
     if (threadIdx.x < kCombineWarps) retired[threadIdx.x] = 0;
     __syncthreads();
@@ -101,7 +101,10 @@ __device__ void combine_receiver(const CombineParams& p, const CombineRankArgs& 
     const WaitContext ctx{p.error, p.timeout_cycles, kRoleCombineReceiver, me, channel, lane};
     for (int token = begin + reducer; token < end; token += num_reducers) {
         const int slot = lane < num_ranks ? a.send_head[static_cast<int64_t>(token) * num_ranks + lane] : -1;
-        __threadfence_block();  // the previous token's reads are done before its slots are released
+        // Every lane's reads of the previous token's slots are done before lane r releases ring r's slot
+        // (the lanes need not run in step: the fence alone orders only the releasing lane's own reads).
+        __syncwarp();
+        __threadfence_block();
         if (lane < num_ranks) {
             next_slot[warp_id()][lane] = slot >= 0 ? slot : -slot - 1;
             if (slot >= 0)

@@ -96,7 +96,7 @@ __device__ void dispatch_receiver(const DispatchParams& p, const DispatchRankArg
     const BufferLayout& layout = p.layout;
     const bool leader = in_group == 0 && lane_id() == 0;
     const WaitContext ctx{p.error, p.timeout_cycles, kRoleDispatchReceiver, me, channel, src};
-    __shared__ int shared_tail[kMaxRanks];
+    EP_SHARED(int, shared_tail, [kMaxRanks]);
 
     int start = 0, end = 0;
     if (lane_id() == 0) {
@@ -112,6 +112,7 @@ __device__ void dispatch_receiver(const DispatchParams& p, const DispatchRankArg
 
     for (int head = 0; head < count;) {
         if (leader) shared_tail[src] = wait_for_data<S>(tail_word, head, head, ctx);
+        __syncwarp();  // bar.sync is aligned: the leader's warp reconverges after its spin first
         named_barrier(1 + src, group_warps * 32);
         const int tail = *reinterpret_cast<volatile int*>(&shared_tail[src]);
         for (int i = head + in_group; i < tail; i += group_warps)

@@ -2,7 +2,9 @@
 // Blocks are of three kinds, each counting kLayoutUnitsPerBlock consecutive units (experts, ranks
 // or nodes) over all tokens in shared memory; rank blocks also write their columns of
 // is_token_in_rank.
+#include "../ep_launch.cuh"
 #include "../ep_params.h"
+#include "../ep_ptx.cuh"
 
 namespace ep {
 
@@ -29,7 +31,7 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout_kernel(con
     const int first = block * kLayoutUnitsPerBlock;
     const int units = min(kLayoutUnitsPerBlock, num_units - first);
 
-    __shared__ int counts[kLayoutUnitsPerBlock];
+    EP_SHARED(int, counts, [kLayoutUnitsPerBlock]);
     if (threadIdx.x < kLayoutUnitsPerBlock) counts[threadIdx.x] = 0;
     __syncthreads();
 
@@ -62,8 +64,7 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout_kernel(con
 cudaError_t launch_get_dispatch_layout(const LayoutParams& p, cudaStream_t stream) {
     const int blocks = ceil_div(p.num_experts, kLayoutUnitsPerBlock) + ceil_div(p.num_ranks, kLayoutUnitsPerBlock) +
                        ceil_div(p.num_ranks / p.ranks_per_node, kLayoutUnitsPerBlock);
-    get_dispatch_layout_kernel<<<blocks, kLayoutThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch(get_dispatch_layout_kernel, blocks, kLayoutThreads, stream, p, false);
 }
 
 }  // namespace ep

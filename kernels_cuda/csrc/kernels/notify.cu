@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(cons
 
     // Channel prefix for destination rank `dst`: one warp per channel, then a serial scan.
     const int dst = role - 1;
-    __shared__ int per_channel[kMaxChannels];
+    EP_SHARED(int, per_channel, [kMaxChannels]);
     for (int c = warp_id(); c < p.num_channels; c += blockDim.x / 32) {
         int begin, end;
         channel_range(a.num_tokens, p.num_channels, c, &begin, &end);

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kernels_cuda import EmulatedInternodeGroup, InternodeConfig
-from tests.gpu.cases import node_limited_routing, payload, quantize, routing, weights
-from tests.gpu.reference import reference_dispatch
-from tests.gpu.reference_internode import kernel_hop_rows, run_hierarchical
+from tests.kernels.cases import node_limited_routing, payload, quantize, routing, weights
+from tests.kernels.reference import reference_dispatch
+from tests.kernels.reference_internode import kernel_hop_rows, run_hierarchical
 
 TOPOLOGIES = [(2, 2), (2, 4), (4, 2)]
 HIDDEN, TOKENS, TOPK = 512, 96, 4
