@@ -12,8 +12,9 @@ extension imports torch first (it links against torch's libraries).
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
+import sys
+from importlib.machinery import PathFinder
 
 from kernels_cuda.config import Config
 
@@ -28,16 +29,24 @@ class KernelsNotBuilt(RuntimeError):
 
 
 def _load(device: str) -> tuple[object | None, str]:
-    """(module, '') or (None, why not). Looked up on every call, so a build made later in the process counts."""
+    """(module, '') or (None, why not). Looked up on every call, so a build made later in the process counts.
+    Only this package's own directory is searched: an editable install's finder would otherwise hand a
+    copy of the sources the extension built from another tree."""
     name = _MODULES[device]
-    if importlib.util.find_spec(name) is None:
+    if name in sys.modules:
+        return sys.modules[name], ""
+    spec = PathFinder.find_spec(name, __path__)
+    if spec is None:
         return None, f"not built (no {name} extension); {_HOW[device]}"
     import torch  # noqa: F401  (loads libc10 / libtorch, which the extension links against)
 
     try:
-        return importlib.import_module(name), ""
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     except ImportError as error:  # e.g. built against another torch, or an ASan build without its runtime
         return None, f"not built ({name} fails to load: {error}); {_HOW[device]}"
+    sys.modules[name] = module
+    return module, ""
 
 
 def is_built(device: str = "cuda") -> bool:

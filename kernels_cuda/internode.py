@@ -21,7 +21,6 @@ from typing import Any, Sequence
 import torch
 
 from kernels_cuda import constants as C
-from kernels_cuda.build import NVSHMEM_HOW
 from kernels_cuda.config import combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
 from kernels_cuda.inputs import check_combine, check_dispatch
@@ -31,7 +30,6 @@ from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamO
 Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # (num_tokens_per_rank, num_tokens_per_rdma_rank (per node), num_tokens_per_expert, is_token_in_rank)
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-NVSHMEM_NOT_BUILT = f"kernels_cuda was built without NVSHMEM; {NVSHMEM_HOW}; or use dispatcher 'hierarchical'"
 
 
 @dataclass
@@ -298,7 +296,10 @@ def _rdma_transport(requested: str, group: Any, ext: Any) -> str:
     if requested == "nvshmem" and not getattr(ext, "with_nvshmem", False):
         import kernels_cuda
 
-        raise kernels_cuda.KernelsNotBuilt(NVSHMEM_NOT_BUILT)
+        from kernels_cuda.build import NVSHMEM_HOW  # (not at import: `python -m kernels_cuda.build` runs it)
+
+        raise kernels_cuda.KernelsNotBuilt(
+            f"kernels_cuda was built without NVSHMEM; {NVSHMEM_HOW}; or use dispatcher 'hierarchical'")
     return requested
 
 

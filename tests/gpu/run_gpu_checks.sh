@@ -34,18 +34,21 @@ step() {  # step NAME TIMEOUT_S COMMAND...
     ROWS+="| $name | $rc | $(( $(date +%s) - start )) s |"$'\n'
 }
 
-# Limits sum to 480 s (expected total about 4 min: the device code compiles in seconds, the host
-# sources with torch's headers take most of the build, which took 50-60 s on 2 cores without a GPU,
-# see docs/cuda_build_without_gpu.md); compile_check is left to CI.
+# Most telling first: the bf16 training step (no kernels_cuda needed), then the kernels on the GPU
+# (the CUDA runs of tests/kernels, which CI runs on the CPU emulation), then the per-process buffers,
+# then the benchmarks. Limits sum to 480 s (expected total about 5 min: the device code compiles in
+# seconds, the host sources with torch's headers take most of the build, which took 50-60 s on 2 cores
+# without a GPU, see docs/cuda_build_without_gpu.md); compile_check is left to CI.
 step environment 15 bash -c 'nvidia-smi; nvidia-smi --query-gpu=compute_mode --format=csv; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
-step build 120 "$PYTHON" -m kernels_cuda.build
-step import 15 "$PYTHON" -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
-step tests 90 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_internode_emulated.py --ignore=tests/gpu/test_buffer_processes.py
-step tests_internode 70 "${PYTEST[@]}" tests/gpu/test_internode_emulated.py
-step tests_processes 80 "${PYTEST[@]}" tests/gpu/test_buffer_processes.py
-step bench 30 "$PYTHON" -m tests.gpu.bench_emulated
-step bench_internode 30 "$PYTHON" -m tests.gpu.bench_internode
-step bench_overlap 30 "$PYTHON" -m tests.gpu.bench_overlap
+step train_bf16 75 "$PYTHON" -m tests.gpu.bench_training
+step build 100 "$PYTHON" -m kernels_cuda.build
+step import 10 "$PYTHON" -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
+step tests_kernels 90 "${PYTEST[@]}" tests/kernels -k cuda
+step tests_gpu 70 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_buffer_processes.py
+step tests_processes 60 "${PYTEST[@]}" tests/gpu/test_buffer_processes.py
+step bench 20 "$PYTHON" -m tests.gpu.bench_emulated
+step bench_internode 20 "$PYTHON" -m tests.gpu.bench_internode
+step bench_overlap 20 "$PYTHON" -m tests.gpu.bench_overlap
 
 {
     echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -56,7 +59,7 @@ step bench_overlap 30 "$PYTHON" -m tests.gpu.bench_overlap
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in tests tests_internode tests_processes bench bench_internode bench_overlap; do
+    for name in train_bf16 tests_kernels tests_gpu tests_processes bench bench_internode bench_overlap; do
         echo
         echo "## $name"
         echo '```'

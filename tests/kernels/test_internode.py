@@ -1,12 +1,9 @@
-"""Internode (two-hop) kernels on one GPU: 2x2, 2x4 and 4x2 (nodes x GPUs) emulated ranks against the
-pure-torch `hierarchical` backend: bit-exact dispatch, per-hop record counts, combine within
-tolerance, node-limited and skewed routings, tiny rings, cached mode, FP8, a stalled rank."""
+"""Internode (two-hop) kernels: 2x2, 2x4 and 4x2 (nodes x GPUs) ranks of an EmulatedInternodeGroup
+against the pure-torch `hierarchical` backend, bit-exact: dispatch, per-hop record counts and combine,
+node-limited and skewed routings (every token to one rank or one node, a rank that receives nothing,
+tokens with no expert), tiny rings and chunk 1, cached mode, FP8, num_worst_tokens, a stalled rank.
+Each case runs on the CPU emulation under several scheduler seeds and once on CUDA when present."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,26 +12,36 @@ from kernels_cuda import EmulatedInternodeGroup, InternodeConfig
 from tests.kernels.cases import node_limited_routing, payload, quantize, routing, weights
 from tests.kernels.reference import reference_dispatch
 from tests.kernels.reference_internode import kernel_hop_rows, run_hierarchical
+from tests.kernels.runs import Run, cases
+from tests.kernels.traps import internode_stall, internode_worst_tokens_overflow, run_trap
 
 TOPOLOGIES = [(2, 2), (2, 4), (4, 2)]
-HIDDEN, TOKENS, TOPK = 512, 96, 4
-TIMEOUT_CYCLES = 4_000_000_000  # ~2 s: a hang fails fast with diagnostics
+HIDDEN, TOKENS, TOPK = 256, 48, 4
+TIMEOUT_CYCLES = 4_000_000_000  # a hang ends in diagnostics (the emulator finds deadlocks sooner)
 
 
 def small_config(num_nodes: int) -> InternodeConfig:
     return InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=4 * num_nodes, rdma_chunk=2, rdma_capacity=12)
 
 
-def _group(nodes: int, gpus: int, config: InternodeConfig | None = None) -> EmulatedInternodeGroup:
+def _group(nodes: int, gpus: int, run: Run, config: InternodeConfig | None = None) -> EmulatedInternodeGroup:
     config = config or small_config(nodes)
     rdma, nvl = config.buffer_size_hints(nodes, gpus, 4 * HIDDEN, TOPK)  # room for float32 rows too
-    return EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=TIMEOUT_CYCLES, timeout_s=20.0)
+    return EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=TIMEOUT_CYCLES, timeout_s=20.0,
+                                  **run.group_kwargs())
 
 
-def _routing(kind: str, nodes: int, gpus: int, experts: int, seed: int) -> list[torch.Tensor]:
+def _routing(kind: str, nodes: int, gpus: int, experts: int, seed: int, device: str) -> list[torch.Tensor]:
+    print(f"data seed {seed}: routing {kind}, {nodes} x {gpus} ranks")
     if kind == "node_limited":
-        return node_limited_routing(nodes, gpus, TOKENS, experts, TOPK, max_nodes=2, seed=seed)
-    return routing(kind, nodes * gpus, TOKENS, experts, TOPK, seed)
+        return node_limited_routing(nodes, gpus, TOKENS, experts, TOPK, max_nodes=2, seed=seed, device=device)
+    if kind == "all_to_one_node":  # every token's experts on the last node
+        R, per_node = nodes * gpus, experts // nodes
+        g = torch.Generator().manual_seed(seed)
+        first = experts - per_node
+        return [(first + torch.rand(TOKENS, per_node, generator=g).topk(TOPK, dim=1).indices).to(device)
+                for _ in range(R)]
+    return routing(kind, nodes * gpus, TOKENS, experts, TOPK, seed, device=device)
 
 
 def _check_dispatch(results, topk, xs, ws, experts) -> None:
@@ -47,14 +54,18 @@ def _check_dispatch(results, topk, xs, ws, experts) -> None:
         assert per_expert == want.per_expert, f"rank {rank}: per-expert counts differ"
 
 
-@pytest.mark.parametrize("nodes,gpus", TOPOLOGIES)
-@pytest.mark.parametrize("kind", ["random", "node_limited", "all_to_one_rank", "rank_receives_nothing"])
-def test_dispatch_and_combine_match_hierarchical(nodes, gpus, kind):
+DISPATCH_CASES = [(nodes, gpus, kind) for nodes, gpus in TOPOLOGIES
+                  for kind in ("random", "node_limited", "all_to_one_rank", "all_to_one_node", "rank_receives_nothing")]
+
+
+@pytest.mark.parametrize("case,run", cases(DISPATCH_CASES, 20, family=21))
+def test_dispatch_and_combine_match_hierarchical(case, run):
+    nodes, gpus, kind = case
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = _routing(kind, nodes, gpus, E, seed=R + len(kind))
-    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=R)
-    ws = weights(R, TOKENS, TOPK, seed=R)
-    group = _group(nodes, gpus)
+    topk = _routing(kind, nodes, gpus, E, seed=R + len(kind), device=run.device)
+    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=R, device=run.device)
+    ws = weights(R, TOKENS, TOPK, seed=R, device=run.device)
+    group = _group(nodes, gpus, run)
     results = group.dispatch(xs, topk, ws, E)
     ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
     hops = kernel_hop_rows(nodes, gpus, [r[4] for r in results])
@@ -69,18 +80,20 @@ def test_dispatch_and_combine_match_hierarchical(nodes, gpus, kind):
 
     combined = group.combine([r[0] for r in results], [r[4] for r in results], [r[2] for r in results])
     for rank, ((x, cw), want) in enumerate(zip(combined, ref)):
-        torch.testing.assert_close(x.float(), want.combined.float(), rtol=2e-2, atol=2e-2, msg=f"rank {rank}: combine")
+        assert torch.equal(x, want.combined), f"rank {rank}: combine differs from hierarchical"
         valid = topk[rank] >= 0  # each top-k slot is non-zero on exactly one rank
-        torch.testing.assert_close(cw[valid], ws[rank][valid])
+        assert torch.equal(cw[valid], ws[rank][valid]) and bool((cw[~valid] == 0).all()), f"rank {rank}: weights"
 
 
-@pytest.mark.parametrize("nodes,gpus", [(2, 2), (4, 2)])
-def test_float32_combine_is_exact_for_integers(nodes, gpus):
+@pytest.mark.parametrize("case,run", cases([(2, 2), (4, 2)], 4, family=22))
+def test_float32_combine_is_exact_for_integers(case, run):
+    nodes, gpus = case
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = routing("random", R, TOKENS, E, TOPK, seed=3)
-    xs = [torch.randint(-8, 8, (TOKENS, HIDDEN), device="cuda").float() for _ in range(R)]
-    ws = weights(R, TOKENS, TOPK, 3)
-    group = _group(nodes, gpus)
+    topk = routing("random", R, TOKENS, E, TOPK, seed=3, device=run.device)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randint(-8, 8, (TOKENS, HIDDEN), generator=g).float().to(run.device) for _ in range(R)]
+    ws = weights(R, TOKENS, TOPK, 3, device=run.device)
+    group = _group(nodes, gpus, run)
     results = group.dispatch(xs, topk, ws, E)
     _check_dispatch(results, topk, xs, ws, E)
     ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
@@ -88,26 +101,28 @@ def test_float32_combine_is_exact_for_integers(nodes, gpus):
         assert torch.equal(x, want.combined)
 
 
-def test_cached_dispatch_reproduces_the_data():
-    nodes, gpus = 2, 4
+@pytest.mark.parametrize("case,run", cases([(2, 4)], 20, family=23))
+def test_cached_dispatch_reproduces_the_data(case, run):
+    nodes, gpus = case
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = routing("random", R, TOKENS, E, TOPK, seed=11)
-    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=11)
-    group = _group(nodes, gpus)
-    first = group.dispatch(xs, topk, weights(R, TOKENS, TOPK, 11), E)
+    topk = routing("random", R, TOKENS, E, TOPK, seed=11, device=run.device)
+    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=11, device=run.device)
+    group = _group(nodes, gpus, run)
+    first = group.dispatch(xs, topk, weights(R, TOKENS, TOPK, 11, device=run.device), E)
     group.combine([r[0] for r in first], [r[4] for r in first])  # rewrites the head tables in place
     again = group.dispatch(xs, handles=[r[4] for r in first])
     for a, b in zip(first, again):
         assert torch.equal(a[0], b[0])
 
 
-def test_fp8_payload_and_strided_scales_travel_bit_exactly():
-    nodes, gpus = 4, 2
+@pytest.mark.parametrize("case,run", cases([(4, 2)], 20, family=24))
+def test_fp8_payload_and_strided_scales_travel_bit_exactly(case, run):
+    nodes, gpus = case
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = routing("random", R, TOKENS, E, TOPK, seed=5)
-    quantized = [quantize(x) for x in payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=5)]
-    ws = weights(R, TOKENS, TOPK, 5)
-    results = _group(nodes, gpus).dispatch(quantized, topk, ws, E)
+    topk = routing("random", R, TOKENS, E, TOPK, seed=5, device=run.device)
+    quantized = [quantize(x) for x in payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=5, device=run.device)]
+    ws = weights(R, TOKENS, TOPK, 5, device=run.device)
+    results = _group(nodes, gpus, run).dispatch(quantized, topk, ws, E)
     rows = reference_dispatch([q for q, _ in quantized], topk, ws, E)
     scales = reference_dispatch([s.contiguous() for _, s in quantized], topk, ws, E)
     for (recv, *_), want_rows, want_scales in zip(results, rows, scales):
@@ -115,13 +130,14 @@ def test_fp8_payload_and_strided_scales_travel_bit_exactly():
         assert torch.equal(recv[1], want_scales.x)
 
 
-def test_num_worst_tokens_pads_without_host_sync_and_combines_the_same():
-    nodes, gpus = 2, 2
+@pytest.mark.parametrize("case,run", cases([(2, 2)], 20, family=25))
+def test_num_worst_tokens_pads_without_host_sync_and_combines_the_same(case, run):
+    nodes, gpus = case
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = routing("random", R, TOKENS, E, TOPK, seed=17)
-    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=17)
-    ws = weights(R, TOKENS, TOPK, 17)
-    group = _group(nodes, gpus)
+    topk = routing("random", R, TOKENS, E, TOPK, seed=17, device=run.device)
+    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=17, device=run.device)
+    ws = weights(R, TOKENS, TOPK, 17, device=run.device)
+    group = _group(nodes, gpus, run)
     exact = group.dispatch(xs, topk, ws, E)
     worst = TOKENS * R
     padded = group.dispatch(xs, topk, ws, E, num_worst_tokens=worst)
@@ -138,38 +154,49 @@ def test_num_worst_tokens_pads_without_host_sync_and_combines_the_same():
         assert torch.equal(x, x_want) and torch.equal(w, w_want)
 
 
-@pytest.mark.parametrize("config", [
-    InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=2, rdma_chunk=1, rdma_capacity=7),
-    InternodeConfig(num_sms=6, nvl_chunk=1, nvl_capacity=4, rdma_chunk=2, rdma_capacity=10),
-    InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=4, rdma_chunk=3, rdma_capacity=12),
-])
-def test_tiny_rings_and_chunk_one(config):
+TINY_CONFIGS = [InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=2, rdma_chunk=1, rdma_capacity=7),
+                InternodeConfig(num_sms=6, nvl_chunk=1, nvl_capacity=4, rdma_chunk=2, rdma_capacity=10),
+                InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=4, rdma_chunk=3, rdma_capacity=12)]
+TINY = [(config, kind) for config in TINY_CONFIGS
+        for kind in ("random", "all_to_one_rank", "all_to_one_node", "rank_receives_nothing", "node_limited")]
+
+
+@pytest.mark.parametrize("case,run", cases(TINY, 20, family=26))
+def test_tiny_rings_and_chunk_one(case, run):
+    config, kind = case
     nodes, gpus = 2, 2
     R, E = nodes * gpus, 4 * nodes * gpus
-    for kind in ("random", "all_to_one_rank", "rank_receives_nothing", "node_limited"):
-        topk = _routing(kind, nodes, gpus, E, seed=13)
-        xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=13)
-        ws = weights(R, TOKENS, TOPK, 13)
-        group = _group(nodes, gpus, config)
-        results = group.dispatch(xs, topk, ws, E)
-        _check_dispatch(results, topk, xs, ws, E)
-        ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
-        for (x, _), want in zip(group.combine([r[0] for r in results], [r[4] for r in results]), ref):
-            torch.testing.assert_close(x.float(), want.combined.float(), rtol=2e-2, atol=2e-2)
+    topk = _routing(kind, nodes, gpus, E, seed=13, device=run.device)
+    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=13, device=run.device)
+    ws = weights(R, TOKENS, TOPK, 13, device=run.device)
+    group = _group(nodes, gpus, run, config)
+    results = group.dispatch(xs, topk, ws, E)
+    _check_dispatch(results, topk, xs, ws, E)
+    ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
+    for rank, ((x, _), want) in enumerate(zip(group.combine([r[0] for r in results], [r[4] for r in results]), ref)):
+        assert torch.equal(x, want.combined), f"rank {rank}: combine differs from hierarchical"
 
 
 def test_invalid_config_is_refused_on_the_host():
+    run = Run("cpu")
+    bad = InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=2, rdma_chunk=4, rdma_capacity=8)
     with pytest.raises(ValueError, match="rdma_capacity must be >="):
-        _group(2, 2, InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=2, rdma_chunk=4, rdma_capacity=8)).dispatch(
-            payload("random", 4, 8, HIDDEN, torch.bfloat16, 0), routing("random", 4, 8, 16, TOPK, 0),
-            weights(4, 8, TOPK, 0), 16)
+        _group(2, 2, run, bad).dispatch(
+            payload("random", 4, 8, HIDDEN, torch.bfloat16, 0, device="cpu"),
+            routing("random", 4, 8, 16, TOPK, 0, device="cpu"), weights(4, 8, TOPK, 0, device="cpu"), 16)
 
 
-def test_stalled_rank_ends_in_timeout_diagnostics():
-    script = Path(__file__).with_name("stalled_rank_internode.py")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    output = proc.stdout + proc.stderr
-    print(output[-4000:])
-    assert proc.returncode != 0, output
-    assert "ERROR_RECORD code=1" in output and "role_name=none" not in output, output
+@pytest.mark.parametrize("config,run", cases([None], 4, family=27))
+def test_stalled_rank_ends_in_timeout_diagnostics(config, run):
+    record, output = run_trap(internode_stall, run)
+    assert record["code"] == 1 and record["role_name"] != "none" and record["rank"] != 1, (record, output)
+    assert "kernels_cuda timeout: role=" in output, output
+
+
+@pytest.mark.parametrize("config,run", cases([None], 4, family=28))
+def test_num_worst_tokens_too_small_traps_with_a_record(config, run):
+    record, output = run_trap(internode_worst_tokens_overflow, run)
+    # All tokens go to rank 3 (node 1, GPU 1), through rank 2's RDMA region (its rail peer of node 0's GPU 0):
+    # whichever overflows first records it.
+    assert record["code"] == 2 and record["rank"] in (2, 3) and record["tail"] > 32, (record, output)
+    assert record["expected"] == 32 and "num_worst_tokens is 32" in output, output

@@ -54,7 +54,21 @@ def internode_stall(run: Run):
     return group, lambda: group.dispatch(xs, topk, ws, E, stalled_rank=1)
 
 
-TRAPS: dict[str, Trap] = {f.__name__: f for f in (intranode_stall, intranode_worst_tokens_overflow, internode_stall)}
+def internode_worst_tokens_overflow(run: Run):
+    """2 x 2 ranks, every token to the last rank, num_worst_tokens half of what it receives: code 2."""
+    nodes, gpus, E, T = 2, 2, 16, 64
+    config = InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=8, rdma_chunk=2, rdma_capacity=12)
+    rdma, nvl = config.buffer_size_hints(nodes, gpus, 512, 4)
+    group = EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=2_000_000_000, timeout_s=20.0,
+                                   **run.group_kwargs())
+    R = nodes * gpus
+    topk = routing("all_to_one_rank", R, T, E, 4, seed=2, device=run.device)
+    xs, ws = payload("random", R, T, 256, torch.bfloat16, seed=2, device=run.device), weights(R, T, 4, 2, device=run.device)
+    return group, lambda: group.dispatch(xs, topk, ws, E, num_worst_tokens=T // 2)
+
+
+TRAPS: dict[str, Trap] = {f.__name__: f for f in (intranode_stall, intranode_worst_tokens_overflow, internode_stall,
+                                                  internode_worst_tokens_overflow)}
 
 
 def run_trap(trap: Trap, run: Run) -> tuple[dict, str]:

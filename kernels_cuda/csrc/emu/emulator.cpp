@@ -162,7 +162,13 @@ struct StackPool {
 
     unsigned char* acquire(size_t stacks) {
         if (stacks > count) {
-            if (base != nullptr) munmap(base, count * kStackBytes);
+            if (base != nullptr) {
+#if defined(__SANITIZE_ADDRESS__)
+                // Abandoned fibers leave poisoned frames; the next mapping here must not inherit them.
+                ASAN_UNPOISON_MEMORY_REGION(base, count * kStackBytes);
+#endif
+                munmap(base, count * kStackBytes);
+            }
             void* memory = mmap(nullptr, stacks * kStackBytes, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
             if (memory == MAP_FAILED) {

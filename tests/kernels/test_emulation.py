@@ -1,0 +1,107 @@
+"""The CPU emulation itself: refusals before any launch (arguments, grids too large for the device),
+the emulator's own SM limit, replay of a schedule by its seed, and the deadlock report."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels_cuda
+from kernels_cuda import Config, EmulatedGroup, EmulatedInternodeGroup, InternodeConfig, Schedule
+from tests.kernels.cases import payload, quantize, routing, weights
+from tests.kernels.runs import Run
+from tests.kernels.traps import intranode_stall
+
+pytestmark = pytest.mark.skipif(not kernels_cuda.is_built("cpu"), reason="the CPU emulation is not built here")
+
+R, T, H, K, E = 4, 16, 256, 4, 16
+CONFIG = Config(4, 4, 16)
+
+
+def _group(**kwargs) -> EmulatedGroup:
+    return EmulatedGroup(R, CONFIG.buffer_size_hint(R, 4 * H, K), CONFIG, device="cpu", **kwargs)
+
+
+def _inputs(seed: int = 3):
+    print(f"data seed {seed}")
+    return (payload("random", R, T, H, torch.bfloat16, seed, device="cpu"),
+            routing("random", R, T, E, K, seed, device="cpu"), weights(R, T, K, seed, device="cpu"))
+
+
+def test_bad_arguments_are_refused_naming_the_argument():
+    group = _group()
+    xs, topk, ws = _inputs()
+    with pytest.raises(ValueError, match="topk_idx must be int64"):
+        group.get_dispatch_layout([t.int() for t in topk], E)
+    layouts = group.get_dispatch_layout(topk, E)
+    bad_idx = [t.int() for t in topk]
+    with pytest.raises(ValueError, match=r"rank 0\): topk_idx must be int64, got torch.int32"):
+        group.engine.dispatch(range(R), xs, bad_idx, ws, layouts, [None] * R, E, 1, 0, None)
+    with pytest.raises(ValueError, match="expert_alignment must be >= 1, got 0"):
+        group.dispatch(xs, topk, ws, E, expert_alignment=0)
+    quantized = [quantize(x) for x in xs]
+    with pytest.raises(ValueError, match="x_scales must be float32"):
+        group.dispatch([(q, s.double()) for q, s in quantized], topk, ws, E)
+    with pytest.raises(ValueError, match=r"x_scales must be \[num_tokens, hidden / 128\] = \[16, 2\]"):
+        group.dispatch([(q, s[:, :1]) for q, s in quantized], topk, ws, E)
+    misaligned = [torch.empty(T * H + 1, dtype=torch.bfloat16)[1:].view(T, H).copy_(x) for x in xs]
+    with pytest.raises(ValueError, match="x is not 16-byte aligned"):
+        group.dispatch(misaligned, topk, ws, E)
+    with pytest.raises(ValueError, match="rows of 14 bytes"):
+        group.dispatch([x[:, :7] for x in xs], topk, ws, E)
+    with pytest.raises(ValueError, match="topk_weights must have topk_idx's shape"):
+        group.dispatch(xs, topk, [w[:, :2] for w in ws], E)
+    results = group.dispatch(xs, topk, ws, E)
+    ys = [r[0] for r in results]
+    with pytest.raises(ValueError, match=r"combine \(rank 0\): x must have the \d+ rows the dispatch received"):
+        group.combine([y[:-1] for y in ys], [r[4] for r in results])
+
+
+def test_a_grid_larger_than_the_device_is_refused_with_the_numbers():
+    group = EmulatedGroup(8, 1 << 20, Config(num_sms=20), device="cpu")
+    xs = payload("random", 8, 8, H, torch.bfloat16, 1, device="cpu")
+    topk = routing("random", 8, 8, 32, K, 1, device="cpu")
+    with pytest.raises(ValueError, match="needs a cooperative grid of 160 blocks, but the device has 132 SMs"):
+        group.dispatch(xs, topk, weights(8, 8, K, 1, device="cpu"), 32)
+    internode = EmulatedInternodeGroup(2, 2, 1 << 20, 1 << 20, InternodeConfig.for_nodes(2), device="cpu",
+                                       schedule=Schedule(sm_count=16))
+    with pytest.raises(ValueError, match="but the device has 16 SMs"):
+        internode.dispatch(payload("random", 4, 8, H, torch.bfloat16, 1, device="cpu"),
+                           routing("random", 4, 8, 16, K, 1, device="cpu"), weights(4, 8, K, 1, device="cpu"), 16)
+
+
+def test_the_emulator_enforces_the_sm_limit_itself():
+    group = _group(schedule=Schedule(sm_count=12))
+    group.engine.sms = 1 << 20  # past the host's check: the emulated launch must refuse on its own
+    xs, topk, ws = _inputs()
+    with pytest.raises(RuntimeError, match="a cooperative grid of 20 blocks cannot be resident on 12 SMs"):
+        group.dispatch(xs, topk, ws, E)
+
+
+def test_a_seed_replays_a_failing_schedule_exactly():
+    """Which roles time out first and in what order is the interleaving's: the same seed gives the same
+    report, another seed another one."""
+    def report(seed: int) -> str:
+        group, launch = intranode_stall(Run("cpu", Schedule("random", seed)))
+        with pytest.raises(RuntimeError) as error:
+            launch()
+        return str(error.value)
+
+    first, again, other = report(5), report(5), report(6)
+    assert first == again
+    assert first != other
+    assert "schedule: random seed=5" in first and "schedule: random seed=6" in other
+
+
+def test_a_deadlock_reports_every_waiting_role_and_the_blocked_lanes():
+    group, launch = intranode_stall(Run("cpu", Schedule("pct", 1)))
+    with pytest.raises(RuntimeError) as error:
+        launch()
+    text = str(error.value)
+    assert "deadlock: no fiber could make progress, so every waiting role was timed out" in text, text
+    lines = [line.strip() for line in text.splitlines() if "kernels_cuda timeout: role=" in line]
+    assert len(lines) == len(set(lines)) > 1  # one line per distinct waiting role and context
+    roles = {int(line.split("role=")[1].split()[0]) for line in lines}
+    assert roles <= {2, 3} and "blocked:" in text and "(lane 0 trapped)" in text
+    assert all("rank=1 " not in line for line in lines)  # the stalled rank itself waits for nobody
+    record = group.error_record()
+    assert record["code"] == 1 and record["role_name"] in ("DispatchSender", "DispatchReceiver")
