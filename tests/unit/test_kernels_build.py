@@ -191,3 +191,12 @@ def test_the_extension_is_loaded_after_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import kernels_cuda; print(kernels_cuda.build_status())"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().startswith("built"), proc.stdout + proc.stderr
+
+
+def test_the_cpu_emulation_build_says_why_without_a_compiler(monkeypatch, tmp_path):
+    from kernels_cuda import build_cpu
+
+    monkeypatch.setattr(build_cpu, "compiler", lambda: None)
+    problem = build_cpu.ensure_built(tmp_path)  # a package dir with no sources and no module
+    assert problem is not None and "no C++ compiler found" in problem
+    assert not build_cpu.is_current(tmp_path, asan=False)
