@@ -128,10 +128,13 @@ def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("bugs", nargs="*", default=list(BUGS), choices=[*BUGS, []], metavar="NAME")
+    parser.add_argument("bugs", nargs="*", metavar="NAME", help=f"one of {', '.join(BUGS)} (default: all)")
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression for the tests to run")
     parser.add_argument("--asan", action="store_true", help="build and run under AddressSanitizer")
     args = parser.parse_args(argv)
+    unknown = [name for name in args.bugs if name not in BUGS]
+    if unknown:
+        parser.error(f"unknown bug {', '.join(unknown)}; choose from {', '.join(BUGS)}")
     caught_all = True
     for name in args.bugs or list(BUGS):
         result = run_kernel_tests(BUGS[name], args.select, args.asan)
