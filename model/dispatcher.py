@@ -2,8 +2,12 @@
 
 `parallel.dispatch` provides the communicating backends; the model only ever sees this interface.
 The MoE block applies router weights and sums over its local experts before `combine`, as DeepEP
-requires, so `combine` is an unweighted sum over the ranks a token went to. Receive counts per
-local expert are returned as a tensor (on the tokens' device) so the local path never syncs.
+requires, so `combine` is an unweighted sum over the ranks a token went to.
+
+`dispatch` returns the received top-k slots per local expert as a host list, as DeepEP's
+`num_recv_tokens_per_expert_list`: a communicating backend learns them in the count exchange that
+sizes its receive buffers, so reading them costs no further host sync. The local dispatcher moves
+nothing and returns None: every slot of every token is local.
 """
 from __future__ import annotations
 
@@ -11,6 +15,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How often each expert id in [0, num_experts) occurs in `ids` (-1 = no expert is skipped), int64.
+
+    Not `torch.bincount`: on CUDA it reads the largest id back to the host to size its output.
+    """
+    flat = ids.reshape(-1).long()
+    bins = torch.where(flat >= 0, flat, num_experts)  # -1 goes to one extra bin, dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    return counts.scatter_add_(0, bins, torch.ones_like(bins))[:num_experts]
 
 
 @dataclass
@@ -30,7 +45,7 @@ class Dispatcher(Protocol):
     def layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout: ...
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
+                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None, Any]: ...
 
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
@@ -48,12 +63,12 @@ class LocalDispatcher:
         tokens = topk_idx.shape[0]
         return Layout(
             num_tokens_per_rank=torch.tensor([tokens]),
-            num_tokens_per_expert=torch.bincount(topk_idx.reshape(-1), minlength=num_experts),
+            num_tokens_per_expert=count_per_expert(topk_idx, num_experts),
             is_token_in_rank=torch.ones(tokens, 1, dtype=torch.bool, device=topk_idx.device),
         )
 
     def dispatch(self, x, topk_idx, topk_weights, layout):
-        return x, topk_idx, topk_weights, layout.num_tokens_per_expert, None
+        return x, topk_idx, topk_weights, None, None
 
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
         return y

@@ -10,12 +10,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _group_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """[G, rows] bool: row r belongs to group g (offsets: int32 cumulative ends)."""
+    ends = offsets.long().unsqueeze(1)
+    starts = torch.cat([ends.new_zeros(1, 1), ends[:-1]])
+    row = torch.arange(rows, device=offsets.device)
+    return (row >= starts) & (row < ends)
+
+
 def _grouped_mm_reference(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Per-group matmul, used where `torch._grouped_mm` is missing: x[rows of g] @ weight_t[g]."""
-    ends = offsets.tolist()
-    starts = [0] + ends[:-1]
-    parts = [x[s:e] @ weight_t[g] for g, (s, e) in enumerate(zip(starts, ends))]
-    return torch.cat(parts) if parts else x.new_empty(0, weight_t.shape[-1])
+    """x[rows of g] @ weight_t[g], used where `torch._grouped_mm` cannot run. Each group multiplies
+    every row and keeps its own (G times the FLOPs) so the group sizes are never read on the host."""
+    out = None
+    for g, in_group in enumerate(_group_rows(offsets, x.shape[0]).unsqueeze(2)):
+        out = torch.where(in_group, x @ weight_t[g], 0 if out is None else out)
+    return out
 
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,9 +52,8 @@ def grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.
     """Per-group grad_out_g^T @ x_g -> [G, N, K] (the gradient of a [G, N, K] weight)."""
     if _fused_ok(grad_out, x):
         return torch._grouped_mm(grad_out.t(), x, offs=offsets)
-    ends = offsets.tolist()
-    starts = [0] + ends[:-1]
-    return torch.stack([grad_out[s:e].t() @ x[s:e] for s, e in zip(starts, ends)])
+    masks = _group_rows(offsets, x.shape[0]).unsqueeze(2)  # as the forward fallback: no host read of sizes
+    return torch.stack([torch.where(m, grad_out, 0).t() @ torch.where(m, x, 0) for m in masks])
 
 
 class _GroupedLinearFunction(torch.autograd.Function):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
-from model.dispatcher import Dispatcher, LocalDispatcher
+from model.dispatcher import Dispatcher, LocalDispatcher, count_per_expert
 from model.layers import GroupedLinear, SwiGLU
 from model.router import Router, sequence_balance_loss
 
@@ -55,20 +55,20 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
         self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
 
-    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [M, d]; local_idx [M, K] local expert ids or -1; returns sum_k w_k * expert_k(x) [M, d]."""
-        slots = local_idx >= 0
-        expert_of_slot = local_idx[slots]
-        token_of_slot = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(local_idx)[slots]
-        order = torch.argsort(expert_of_slot, stable=True)
-        token_sorted = token_of_slot[order]
-        counts = torch.bincount(expert_of_slot, minlength=self.num_local_experts)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """x [M, d]; local_idx [M, K] local expert ids or -1; `num_slots` of them are not -1 (a host
+        count, so that selecting them needs no host sync); returns sum_k w_k * expert_k(x) [M, d]."""
+        topk = local_idx.shape[1]
+        flat_idx = local_idx.reshape(-1)
+        # Slots by expert, in token order within an expert; slots of other ranks' experts sort last.
+        order = torch.argsort(torch.where(flat_idx >= 0, flat_idx, self.num_local_experts), stable=True)[:num_slots]
+        token_sorted = order // topk
+        offsets = torch.cumsum(count_per_expert(local_idx, self.num_local_experts), 0).to(torch.int32)
         gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
         gate, up = gate_up.split(self.hidden, dim=-1)
         hidden = F.silu(gate) * up
         # The router weight scales the (narrower) expert intermediate: down_proj is linear.
-        hidden = hidden * weights[slots][order].unsqueeze(1).to(hidden.dtype)
+        hidden = hidden * weights.reshape(-1)[order].unsqueeze(1).to(hidden.dtype)
         out = self.down_proj(hidden, offsets)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
 
@@ -94,9 +94,10 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         routing = self.gate(flat)
         layout = self.dispatcher.layout(routing.topk_idx, self.num_experts)
-        recv_x, recv_idx, recv_weights, _, handle = self.dispatcher.dispatch(
+        recv_x, recv_idx, recv_weights, per_expert, handle = self.dispatcher.dispatch(
             flat, routing.topk_idx, routing.topk_weights, layout)
-        out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights), handle)
+        num_slots = recv_idx.numel() if per_expert is None else sum(per_expert)
+        out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights, num_slots), handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         out = out.view(batch, seq, dim)

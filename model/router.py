@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
+from model.dispatcher import count_per_expert
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if self.training:
             with torch.no_grad():
-                self.expert_load += torch.bincount(topk_idx.reshape(-1), minlength=self.expert_load.numel())
+                self.expert_load += count_per_expert(topk_idx, self.expert_load.numel())
         return Routing(topk_idx, weights * self.scaling_factor, scores)
 
     @torch.no_grad()

@@ -22,9 +22,13 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None):
-    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas)."""
+    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas).
+
+    The fused implementation keeps its step counts on the parameters' device, so a step reads no
+    value back to the host (the others call `.item()` on each parameter's step count).
+    """
     groups = parameter_groups(model, optim.weight_decay)
-    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, fused=True)
     if zero1_topology is not None:
         return ZeroOneAdamW(model, groups, zero1_topology, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

@@ -9,13 +9,15 @@ split in moe_train/plan_stages.py; routed experts divided over ep), weights, gra
 state, peak activations (the simulated schedule's F/backward order times the per-stage activation
 estimate), the simulated bubble, and the expert-dispatch traffic per step (moe_train/plan_traffic.py).
 
-Memory per rank, as the trainer keeps it: fp32 parameters (they are the master weights), fp32
-gradients, with bf16 the autocast copies of the weights (2 B each), Adam's two fp32 moments
-(ZeRO-1: dense ones sharded over dp, expert ones over expert-dp), activations in the compute dtype,
-and --reserve-gib for the CUDA context, communication buffers and allocator fragmentation.
-With model.recompute_granularity: full the trainer recomputes each decoder layer in backward, so
-a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with every problem named by its config key when the layout cannot
-work, or when --gpu-memory-gib is given and a rank does not fit.
+Memory per rank, as the trainer keeps it: fp32 parameters (they are the master weights) and fp32
+gradients; Adam's two fp32 moments and step count of the data-parallel rank that ZeRO-1 (whole
+tensors: dense ones over dp, expert ones over expert-dp) gives the most; activations as
+moe_train/plan_stages.py models them (with bf16, the weight copies autocast keeps per micro-batch
+included); and --reserve-gib for the CUDA context, communication buffers and allocator
+fragmentation. With model.recompute_granularity: full the trainer recomputes each decoder layer in
+backward, so a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with
+every problem named by its config key when the layout cannot work, or when --gpu-memory-gib is
+given and a rank does not fit.
 """
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ from dataclasses import dataclass
 from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config
 from moe_train.launch_info import layout_errors
-from moe_train.plan_stages import Stage, build_stages, embedding_parameters, layer_activation_elements, \
-    head_activation_elements
+from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
+    rank_parameters
 from moe_train.plan_traffic import expected_routing, token_traffic
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
 from parallel.pipeline.timeline import Timeline, simulate
+from parallel.zero import partition
 
 GIB = 2 ** 30
 
@@ -44,8 +47,8 @@ class RankPlan:
     stages: tuple[int, ...]
     dense_params: int  # replicated over dp, includes an embedding copy when MTP needs one here
     expert_params: int  # this rank's share of the routed experts
-    weights: float  # bytes, fp32 parameters, gradients and bf16 working copies
-    optimizer: float  # bytes, Adam moments after ZeRO-1 sharding
+    weights: float  # bytes, fp32 parameters and gradients
+    optimizer: float  # bytes, Adam state of the data-parallel rank that ZeRO-1 gives the most
     activations: float  # bytes at the simulated peak
     peak_units: float  # simulator's peak, in one stage's activations of one micro-batch
     inter_node: tuple[float, float]  # dispatch bytes per step, (BF16 dispatch, FP8 dispatch)
@@ -111,17 +114,20 @@ def _schedule(config: Config, dp: int) -> Schedule:
 
 
 def _stage_activation_bytes(config: Config, stage: Stage, recompute: str) -> tuple[float, float]:
-    """(bytes kept per micro-batch until its backward, working bytes while one backward runs)."""
+    """(bytes kept per micro-batch until its backward, extra bytes while one backward runs), from the
+    per-unit memory of moe_train/plan_stages.py; with recomputation a decoder layer keeps its input."""
     a, t = config.model, config.train
     tokens = t.micro_batch_size * t.seq_length
-    element = 2 if t.precision == "bf16" else 4
-    if recompute == "none":
-        return stage.activations_per_token * tokens * element, 0.0
-    kept = (len(stage.layers) + 1 + stage.head) * a.hidden_size * tokens * 4
-    parts = [layer_activation_elements(a, a.is_moe_layer(i)) for i in stage.layers]
+    local_experts = a.num_moe_experts // config.parallel.ep
+    layers = [layer_memory(a, a.is_moe_layer(i), tokens, t.precision, local_experts) for i in stage.layers]
+    others: list[LayerMemory] = []
     if stage.head:
-        parts.append(head_activation_elements(a))
-    return kept, max(parts, default=0) * tokens * element
+        layers += [layer_memory(a, a.num_moe_experts > 0, tokens, t.precision, local_experts)] * a.mtp_num_layers
+        others = [head_memory(a, tokens, t.precision)] + [mtp_memory(a, tokens, t.precision)] * a.mtp_num_layers
+    layer_input = 4 * a.hidden_size * tokens
+    units = [(layer_input if recompute == "full" else m.kept, m.peak) for m in layers]
+    units += [(m.kept, m.peak) for m in others]
+    return layer_input + sum(kept for kept, _ in units), max((peak - kept for kept, peak in units), default=0.0)
 
 
 def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], mem_b: float) -> float:
@@ -139,6 +145,19 @@ def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], m
             live -= {ActionKind.B: mem_b * kept, ActionKind.W: (1 - mem_b) * kept,
                      ActionKind.BW: kept}.get(half.kind, 0.0)
     return peak
+
+
+def _adam_bytes(dense: list[int], expert: list[int], dp: int, ep: int, zero1: bool) -> float:
+    """Adam state of the worst data-parallel rank: two fp32 moments per element and fused AdamW's
+    fp32 step count per tensor, of the tensors ZeRO-1 deals that rank (as parallel.zero does:
+    dense ones over dp, expert ones over expert-dp, whole tensors)."""
+    def owned(sizes: list[int], members: int) -> list[float]:
+        owners = partition(sizes, members)
+        return [sum(8 * n + 4 for n, o in zip(sizes, owners) if o == m) for m in range(members)]
+
+    dense_members = dp if zero1 else 1
+    dense_owned, expert_owned = owned(dense, dense_members), owned(expert, dense_members // ep or 1)
+    return max(dense_owned[r] + expert_owned[r // ep] for r in range(dense_members))
 
 
 def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
@@ -159,21 +178,17 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     per_stage = {s.index: _stage_activation_bytes(config, s, recompute) for s in stages}
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
-    working_copy = 2 if t.precision == "bf16" else 0
-    dense_shards, expert_shards = (dp, dp // p.ep) if p.zero1 else (1, 1)
     ranks = []
     for rank, program in enumerate(schedule.programs):
         on_rank = schedule.placement.stages_on(rank)
-        dense = sum(stages[s].dense_params for s in on_rank)
-        if a.mtp_num_layers and stages[-1].index in on_rank and 0 not in on_rank:
-            dense += embedding_parameters(a)  # MTP embeds the next tokens on the last stage
-        expert = sum(stages[s].expert_params for s in on_rank) // p.ep
+        dense_sizes, expert_sizes = rank_parameters(a, [stages[s] for s in on_rank], p.ep)
+        dense, expert = sum(dense_sizes), sum(expert_sizes)  # dense includes MTP's embedding copy
         moe_tokens = sum(tokens * stages[half.stage].moe_layers
                          for action in program for half in action.halves() if half.kind is ActionKind.F)
         ranks.append(RankPlan(
             pp_rank=rank, stages=on_rank, dense_params=dense, expert_params=expert,
-            weights=(8 + working_copy) * (dense + expert),
-            optimizer=8 * (dense / dense_shards + expert / expert_shards),
+            weights=8 * (dense + expert),
+            optimizer=_adam_bytes(dense_sizes, expert_sizes, dp, p.ep, p.zero1),
             activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b),
             peak_units=timeline.peak_activations[rank],
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),

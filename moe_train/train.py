@@ -99,6 +99,20 @@ def plan_pipeline(config: Config, dp: int) -> tuple[LoweredSchedule, list[StageS
                                         f"per step: {err}")]) from None
 
 
+def read_metrics(steps: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
+    """Step metrics with their tensors read back to the host: one copy, one host sync for all steps."""
+    tensors = [v for m in steps for v in m.values() if isinstance(v, torch.Tensor)]
+    values = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
+    return [{k: next(values) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in steps]
+
+
+def _check_finite(record: dict[str, float]) -> None:
+    for part in ("loss", *LOSS_PARTS):
+        if not math.isfinite(record[part]):
+            raise TrainingDiverged(f"non-finite {part} ({record[part]}) at step {record['step']}; "
+                                   f"stopping without saving, the last good checkpoint is kept")
+
+
 class Trainer:
     def __init__(self, config: Config, topology: Topology | None = None) -> None:
         self.cfg = config
@@ -166,12 +180,12 @@ class Trainer:
                                keep=self.cfg.checkpoint.keep, text_files={"config.yaml": to_yaml(self.cfg)},
                                process_group=None if self.topology is None else dist.group.WORLD)
 
-    def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, float]:
-        """Backward of this rank's mean loss; returns the global-batch mean of each loss part."""
+    def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, torch.Tensor]:
+        """Backward of this rank's mean loss; returns the global-batch mean of each loss part (on the device)."""
         if self.pipeline is not None:
             return self._pipeline_forward_backward(micro_batches, mtp_scale)
         parts = ("loss", *LOSS_PARTS)
-        sums = torch.zeros(len(parts), dtype=torch.float64)
+        sums = torch.zeros(len(parts), dtype=torch.float64, device=self.device)
         scale = 1.0 / len(micro_batches)
         for rows in micro_batches:
             rows = rows.to(self.device, non_blocking=True)
@@ -179,11 +193,12 @@ class Trainer:
                 out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale)
             with aux_loss_grad_scale(scale):
                 (out.loss * scale).backward()
-            sums += torch.stack([getattr(out, part).detach().double() for part in parts]).cpu() * scale  # one sync
+            sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
-        return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).tolist()))
+        return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).unbind()))
 
-    def _pipeline_forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, float]:
+    def _pipeline_forward_backward(self, micro_batches: list[torch.Tensor],
+                                   mtp_scale: float) -> dict[str, torch.Tensor]:
         """The same through the pipeline runtime; loss parts come from the stages that compute them."""
         assert self.pipeline is not None and self.topology is not None
         scale = 1.0 / len(micro_batches)
@@ -192,20 +207,14 @@ class Trainer:
         with aux_loss_grad_scale(scale):
             sums = self.pipeline.step(batches, scale, sync=self.grads)
         dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica
-        lm_loss, mtp_loss, aux_loss = (sums / self.topology.dp).tolist()
+        lm_loss, mtp_loss, aux_loss = (sums / self.topology.dp).unbind()
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
                 "aux_loss": aux_loss}
 
-    def _check_finite(self, losses: dict[str, float]) -> None:
-        for part in ("loss", *LOSS_PARTS):
-            if not math.isfinite(losses[part]):
-                raise TrainingDiverged(f"non-finite {part} ({losses[part]}) at step {self.step + 1}; "
-                                       f"stopping without saving, the last good checkpoint is kept")
-
-    def _update_router_biases(self, rate: float) -> float:
+    def _update_router_biases(self, rate: float) -> torch.Tensor:
         """Bias update from the global batch's expert loads; returns the worst max/mean load ratio."""
         routers = self.model.routers()
-        ratio = 1.0
+        ratio = torch.ones((), device=self.device)
         if routers:
             loads = self.grads.sum_over_dp(torch.stack([r.expert_load for r in routers]))
             if self.pipeline is not None:
@@ -213,24 +222,21 @@ class Trainer:
             for router, load in zip(routers, loads):
                 router.apply_bias_update(load, rate)
                 router.expert_load.zero_()
-            ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max().item()
+            ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max()
         if self.pipeline is not None:
-            worst = torch.tensor(ratio, device=self.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            ratio = worst.item()
+            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
         return ratio
 
-    def compute_gradients(self) -> dict[str, float]:
+    def compute_gradients(self) -> dict[str, torch.Tensor]:
         """Forward and backward of the next global batch, gradients reduced over data parallelism
         (by the pipeline as their gradients become final, else here afterwards)."""
         losses = self._forward_backward(self.sampler.next_batch(),
                                         mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
-        self._check_finite(losses)
         if self.pipeline is None:
             self.grads.reduce()
         return losses
 
-    def apply_update(self) -> dict[str, float]:
+    def apply_update(self) -> dict[str, torch.Tensor]:
         """Clip, optimizer step, router-bias update; advances the step counter."""
         cfg = self.cfg
         grad_norm = self.grads.clip(cfg.optim.clip_grad)
@@ -240,16 +246,15 @@ class Trainer:
         self.step += 1
         return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio}
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, torch.Tensor | float]:
+        """One optimizer step. Its metrics stay on the device (`read_metrics` brings them to the host),
+        so a step makes no host sync beyond the MoE layers' all-to-all split sizes."""
         cfg = self.cfg
         lr = learning_rate(self.step, cfg.optim, cfg.train.steps)
         set_learning_rate(self.optimizer, lr)
-        start = time.perf_counter()
         losses = self.compute_gradients()
         update = self.apply_update()
-        elapsed = time.perf_counter() - start
-        tokens = cfg.train.global_batch_size * cfg.train.seq_length
-        return {**losses, "lr": lr, **update, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+        return {"step": self.step, **losses, "lr": lr, **update}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -258,12 +263,12 @@ class Trainer:
         try:
             if self.pipeline is not None:
                 return self._pipeline_evaluate()
-            mbs, total = self.cfg.train.micro_batch_size, 0.0
+            mbs, total = self.cfg.train.micro_batch_size, torch.zeros((), device=self.device)
             for i in range(self.cfg.train.eval_iters):
                 rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
                 with autocast(self.device, self.cfg.train.precision):
-                    total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss.item()
-            return total / self.cfg.train.eval_iters
+                    total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss
+            return total.item() / self.cfg.train.eval_iters
         finally:
             self.model.train()
 
@@ -291,13 +296,29 @@ class Trainer:
         self.logger.info(f"training {cfg.train.steps} steps from step {self.step} on {self.device} "
                          f"({cfg.train.precision}); logs in {self.run_dir}")
         step_times: list[float] = []
+        pending: list[dict[str, torch.Tensor | float]] = []
+        start = time.perf_counter()
         try:
             while self.step < cfg.train.steps:
-                metrics = self.train_step()
-                step_times.append(metrics.pop("step_time_s"))
-                self._log(metrics, step_times)
-                if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                pending.append(self.train_step())
+                evaluate = bool(cfg.train.eval_interval and self.valid_data is not None
+                                and self.step % cfg.train.eval_interval == 0)
+                log = evaluate or self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps
+                save = bool(cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
+                if not (log or save or self.stop_signal is not None):
+                    continue  # the metrics stay on the device until the next log, checkpoint or signal
+                records = read_metrics(pending)
+                pending = []
+                for record in records:
+                    _check_finite(record)
+                elapsed = time.perf_counter() - start
+                step_times += [elapsed / len(records)] * len(records)
+                if log:
+                    tokens = cfg.train.global_batch_size * cfg.train.seq_length * len(records)
+                    self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, evaluate)
+                if save:
                     self.save()
+                start = time.perf_counter()
                 if self.stop_signal is not None:
                     path = self.save()
                     self.logger.info(f"received {signal.Signals(self.stop_signal).name}: saved {path}, exiting")
@@ -312,14 +333,11 @@ class Trainer:
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
         return 0
 
-    def _log(self, metrics: dict[str, float], step_times: list[float]) -> None:
+    def _log(self, metrics: dict[str, float], step_times: list[float], evaluate: bool) -> None:
+        """Log one step's record; tokens/s are those of the steps since the previous read-back."""
         cfg = self.cfg
-        evaluate = cfg.train.eval_interval and self.valid_data is not None and self.step % cfg.train.eval_interval == 0
-        if self.step % cfg.train.log_interval and not evaluate and self.step != cfg.train.steps:
-            return
         recent = step_times[-20:]
-        record = {"step": self.step, **metrics,
-                  "consumed_samples": self.sampler.consumed_samples,
+        record = {**metrics, "consumed_samples": self.sampler.consumed_samples,
                   "eta_s": (cfg.train.steps - self.step) * sum(recent) / len(recent)}
         if self.device.type == "cuda":
             record["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (cfg.train.peak_tflops * 1e12)

@@ -111,15 +111,16 @@ class GradientSync:
             dist.all_reduce(squares)
         return squares.sqrt()
 
-    def clip(self, max_norm: float) -> float:
-        """Scale gradients as `torch.nn.utils.clip_grad_norm_` would on the whole model."""
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients as `torch.nn.utils.clip_grad_norm_` would on the whole model; returns the
+        norm before clipping, on the device (the scaling reads nothing back to the host)."""
         total = self.global_norm()
         if max_norm and max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
             for param in self.dense + self.expert:
                 if param.grad is not None:
                     param.grad.mul_(coef)
-        return total.item()
+        return total
 
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of `tensor` over this stage's dp ranks (expert loads, loss sums); in place."""

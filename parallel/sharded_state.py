@@ -56,7 +56,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     for param in _owned_parameters(optimizer):
         state = optimizer.state[param]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)  # where fused AdamW keeps it
             for key in ADAM_STATE:
                 state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
         name = names[id(param)]

@@ -18,7 +18,8 @@ class AllToAllDispatcher(ExchangeDispatcher):
         self.links = [None if peer == ep.rank else INTRA_NODE if peer // ranks_per_node == node else INTER_NODE
                       for peer in range(ep.size)]
 
-    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan]:
-        hop, _ = make_hop(self.comm, layout.is_token_in_rank, self.links)
+    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan, list[int]]:
+        per_peer_expert = layout.num_tokens_per_expert.view(self.num_ranks, self.experts_per_rank)
+        hop, _, from_peers = make_hop(self.comm, layout.is_token_in_rank, self.links, extra=per_peer_expert)
         plan = Plan([hop])
-        return plan.forward(fields, self.traffic), plan
+        return plan.forward(fields, self.traffic), plan, [sum(col) for col in zip(*(p[1:] for p in from_peers))]

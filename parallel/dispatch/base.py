@@ -31,20 +31,48 @@ class Traffic:
     Direction is DISPATCH (towards the experts) or COMBINE (back to the tokens), whether the move
     happens in the forward or the backward pass; link is INTRA_NODE or INTER_NODE. Sends to
     itself cross no link and are not counted. Bytes are whole records (payload, FP8 scales, top-k
-    ids and weights); the small per-call count exchange is not included.
+    ids and weights); the small per-call count exchange is not included. Rows may be added as
+    device tensors (the `native` backend reads them off its handles): they are summed on the
+    device and read back to the host once `rows` or `bytes` is read.
     """
 
     def __init__(self) -> None:
-        self.rows: defaultdict[tuple[str, str], int] = defaultdict(int)
-        self.bytes: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self._rows: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self._bytes: defaultdict[tuple[str, str], int] = defaultdict(int)
+        self._on_device: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, direction: str, link: str, rows: int, nbytes: int) -> None:
-        self.rows[direction, link] += rows
-        self.bytes[direction, link] += nbytes
+    def add(self, direction: str, link: str, rows: int | torch.Tensor, row_bytes: int) -> None:
+        key = direction, link
+        if isinstance(rows, torch.Tensor):
+            rows_so_far, bytes_so_far = self._on_device.get(key, (0, 0))
+            self._on_device[key] = (rows_so_far + rows.long(), bytes_so_far + rows.long() * row_bytes)
+        else:
+            self._rows[key] += rows
+            self._bytes[key] += rows * row_bytes
+
+    def _read_back(self) -> None:
+        if not self._on_device:
+            return
+        values = torch.stack([t for pair in self._on_device.values() for t in pair]).tolist()
+        for i, key in enumerate(self._on_device):
+            self._rows[key] += values[2 * i]
+            self._bytes[key] += values[2 * i + 1]
+        self._on_device = {}
+
+    @property
+    def rows(self) -> defaultdict[tuple[str, str], int]:
+        self._read_back()
+        return self._rows
+
+    @property
+    def bytes(self) -> defaultdict[tuple[str, str], int]:
+        self._read_back()
+        return self._bytes
 
     def reset(self) -> None:
-        self.rows.clear()
-        self.bytes.clear()
+        self._rows.clear()
+        self._bytes.clear()
+        self._on_device = {}
 
 
 @dataclass
@@ -77,21 +105,27 @@ class Hop:
     def _count(self, traffic: Traffic, direction: str, splits: list[int], row_bytes: int) -> None:
         for link, rows in zip(self.links, splits):
             if link is not None:
-                traffic.add(direction, link, rows, rows * row_bytes)
+                traffic.add(direction, link, rows, row_bytes)
 
 
 def make_hop(comm: Comm, dest: torch.Tensor, links: list[str | None],
-             detail: torch.Tensor | None = None) -> tuple[Hop, torch.Tensor]:
+             extra: torch.Tensor | None = None) -> tuple[Hop, torch.Tensor, list[list[int]]]:
     """Hop sending row i to every peer p with dest[i, p], rows to a peer in input order.
 
-    The count exchange sends `detail` [P, k] (row p: counts for peer p, summing to the rows sent
-    to it) when given, else the per-peer counts; returns the hop and what was received.
+    The count exchange sends peer p the rows for it followed by `extra[p]` when given ([P, k]
+    counts the receiver needs, e.g. per expert); returns the hop and what was received, [P, 1 + k],
+    on the device and on the host. Reading the split sizes is the hop's one host sync.
     """
-    _, row = dest.t().nonzero(as_tuple=True)
     counts = dest.sum(0)
-    received = exchange_counts(comm, counts.view(-1, 1) if detail is None else detail)
-    hop = Hop(comm, row, counts.tolist(), received.sum(1).tolist(), links, dest.shape[0])
-    return hop, received
+    sent = counts.view(-1, 1) if extra is None else torch.cat([counts.view(-1, 1), extra.to(counts.dtype)], 1)
+    received = exchange_counts(comm, sent)
+    host = torch.cat([counts, received.reshape(-1)]).tolist()
+    send_splits, width = host[:comm.size], sent.shape[1]
+    from_peers = [host[comm.size + p * width:comm.size + (p + 1) * width] for p in range(comm.size)]
+    # the rows for each peer in input order: nonzero with a known size does not read a count back
+    row = torch.nonzero_static(dest.t(), size=sum(send_splits))[:, 1]
+    hop = Hop(comm, row, send_splits, [peer[0] for peer in from_peers], links, dest.shape[0])
+    return hop, received, from_peers
 
 
 @dataclass
@@ -120,17 +154,16 @@ class _Dispatch(torch.autograd.Function):
                 topk_idx: torch.Tensor, layout: Layout):
         payload = list(quantize_e4m3(x)) if backend.fp8 else [x]
         fields = [*payload, topk_idx.to(torch.int32), topk_weights]
-        received, plan = backend.route(fields, layout)
+        received, plan, counts = backend.route(fields, layout)
         if backend.fp8:
             recv_x = dequantize_e4m3(received[0], received[1], x.dtype)
         else:
             recv_x = received[0]
         local = to_local_expert_ids(received[-2].to(topk_idx.dtype), backend.rank, backend.experts_per_rank)
         recv_weights = received[-1].masked_fill(local < 0, 0)
-        counts = torch.bincount(local[local >= 0], minlength=backend.experts_per_rank)
         ctx.backend, ctx.plan = backend, plan
         ctx.save_for_backward(local)
-        ctx.mark_non_differentiable(local, counts)
+        ctx.mark_non_differentiable(local)
         return recv_x, local, recv_weights, counts, plan
 
     @staticmethod
@@ -175,7 +208,7 @@ class ExchangeDispatcher:
         return compute_layout(topk_idx, num_experts, self.num_ranks, self.ranks_per_node)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], Any]:
         """Each token once per destination rank; rows by source rank, then source token order."""
         if not x.shape[0] == topk_idx.shape[0] == topk_weights.shape[0] == layout.is_token_in_rank.shape[0]:
             raise ValueError("x, topk_idx, topk_weights and the layout must have one row per token")
@@ -185,8 +218,9 @@ class ExchangeDispatcher:
         """Unweighted sum, per source token, of its rows on every rank it went to."""
         return _Combine.apply(self, y, handle)
 
-    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan]:
-        """Plan the hops for these tokens and move `fields` (one row per token) along them.
+    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan, list[int]]:
+        """Plan the hops for these tokens and move `fields` (one row per token) along them; also
+        the top-k slots received per local expert (learnt in the count exchange, on the host).
 
         `fields` ends with the global top-k ids (int32) and the top-k weights; the payload precedes.
         """

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from model.dispatcher import Layout
+from model.dispatcher import Layout, count_per_expert
 from parallel.dispatch.base import DISPATCH, INTER_NODE, INTRA_NODE, ExchangeDispatcher, Plan, make_hop
 from parallel.dispatch.comm import Comm
-from parallel.dispatch.layout import token_in_rank
+from parallel.dispatch.layout import to_local_expert_ids, token_in_rank
 
 
 class HierarchicalDispatcher(ExchangeDispatcher):
@@ -31,25 +31,32 @@ class HierarchicalDispatcher(ExchangeDispatcher):
         self.rail_links = [None if m == self.node else INTER_NODE for m in range(rail.size)]
         self.intra_links = [None if j == self.local_rank else INTRA_NODE for j in range(per_node)]
 
-    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan]:
-        per_node, nodes = self.ranks_per_node, self.rail.size
+    def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan, list[int]]:
+        per_node, nodes, experts_per_rank = self.ranks_per_node, self.rail.size, self.experts_per_rank
         to_node = layout.is_token_in_rank.view(-1, nodes, per_node).any(-1)
-        rail_hop, from_nodes = make_hop(self.rail, to_node, self.rail_links)
+        rail_hop, from_nodes, _ = make_hop(self.rail, to_node, self.rail_links)
         forwarded = rail_hop.forward(fields, self.traffic, DISPATCH)
 
         global_idx = forwarded[-2].long()
         first = self.node * per_node
-        to_rank = token_in_rank(global_idx, self.experts_per_rank, self.num_ranks)[:, first:first + per_node]
-        source_node = torch.repeat_interleave(torch.arange(nodes, device=global_idx.device), from_nodes.view(-1),
+        to_rank = token_in_rank(global_idx, experts_per_rank, self.num_ranks)[:, first:first + per_node]
+        source_node = torch.repeat_interleave(torch.arange(nodes, device=global_idx.device), from_nodes[:, 0],
                                               output_size=global_idx.shape[0])
         per_source_node = torch.zeros(per_node, nodes, dtype=torch.long, device=global_idx.device)
         per_source_node.index_add_(1, source_node, to_rank.t().long())
-        intra_hop, received = make_hop(self.intra, to_rank, self.intra_links, detail=per_source_node)
+        # slots per expert of this node among the forwarded records: each (token, slot) reaches one forwarder
+        node_experts = to_local_expert_ids(global_idx, self.node, per_node * experts_per_rank)
+        per_expert = count_per_expert(node_experts, per_node * experts_per_rank).view(per_node, experts_per_rank)
+        intra_hop, received, from_forwarders = make_hop(self.intra, to_rank, self.intra_links,
+                                                        extra=torch.cat([per_source_node, per_expert], 1))
 
-        # received[l', m']: rows that forwarder l' sends here from source node m', i.e. from rank m' * L + l'
+        # received[l', 1 + m']: rows that forwarder l' sends here from source node m', i.e. from rank m' * L + l'
         source_rank = torch.arange(nodes, device=received.device) * per_node + torch.arange(
             per_node, device=received.device).unsqueeze(1)
-        row_source = torch.repeat_interleave(source_rank.reshape(-1), received.reshape(-1))
+        rows = sum(f[0] for f in from_forwarders)
+        row_source = torch.repeat_interleave(source_rank.reshape(-1), received[:, 1:1 + nodes].reshape(-1),
+                                             output_size=rows)
         plan = Plan([rail_hop, intra_hop], order=torch.argsort(row_source, stable=True))
         moved = intra_hop.forward(forwarded, self.traffic, DISPATCH)
-        return [f[plan.order] for f in moved], plan
+        counts = [sum(col) for col in zip(*(f[1 + nodes:] for f in from_forwarders))]
+        return [f[plan.order] for f in moved], plan, counts

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from model.dispatcher import Layout
+from model.dispatcher import Layout, count_per_expert
 
 
 def token_in_rank(topk_idx: torch.Tensor, experts_per_rank: int, num_ranks: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ran
     in_node = in_rank.view(tokens, num_ranks // ranks_per_node, ranks_per_node).any(-1)
     return Layout(
         num_tokens_per_rank=in_rank.sum(0),
-        num_tokens_per_expert=torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts),
+        num_tokens_per_expert=count_per_expert(topk_idx, num_experts),
         is_token_in_rank=in_rank,
         num_tokens_per_node=in_node.sum(0),
     )

@@ -71,8 +71,8 @@ class NativeHandle:
 
     handle: Any                    # Handle or InternodeHandle: plain tensors, any buffer of the group can use it
     num_topk: int
-    dispatch_rows: dict[str, int]  # rows this rank sends over each link when rows move towards the experts
-    combine_rows: dict[str, int]   # ... and when they move back towards their tokens
+    dispatch_rows: dict[str, torch.Tensor]  # rows this rank sends over each link when rows move towards the experts
+    combine_rows: dict[str, torch.Tensor]   # ... and when they move back towards their tokens
 
 
 def _tensors(value: Any):
@@ -118,12 +118,12 @@ class _Dispatch(torch.autograd.Function):
         recv_x = dequantize_e4m3(recv[0], recv[1], x.dtype) if backend.fp8 else recv
         local = local.to(topk_idx.dtype)
         recv_w = recv_w.to(topk_weights.dtype)
-        counts = torch.tensor(per_expert, dtype=torch.long, device=x.device)
+        counts = list(per_expert)  # the buffer's host list (DeepEP's num_recv_tokens_per_expert_list)
         native = NativeHandle(handle, topk_idx.shape[1], *backend.link_rows(handle))
         backend.count(DISPATCH, native.dispatch_rows, backend.dispatch_row_bytes(x, topk_idx, topk_weights))
         ctx.backend, ctx.native, ctx.weights_dtype = backend, native, topk_weights.dtype
         ctx.save_for_backward(local)
-        ctx.mark_non_differentiable(local, counts)
+        ctx.mark_non_differentiable(local)
         return recv_x, local, recv_w, counts, native
 
     @staticmethod
@@ -209,7 +209,7 @@ class NativeDispatcher:
         return Layout(per_rank.long(), per_expert.long(), in_rank, per_node.long())
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, NativeHandle]:
+                 layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], NativeHandle]:
         """Each token once per destination rank; rows by source rank, then source token order."""
         if not x.shape[0] == topk_idx.shape[0] == topk_weights.shape[0] == layout.is_token_in_rank.shape[0]:
             raise ValueError("x, topk_idx, topk_weights and the layout must have one row per token")
@@ -249,17 +249,17 @@ class NativeDispatcher:
                                                 else per_node).int()
         return args
 
-    def link_rows(self, handle: Any) -> tuple[dict[str, int], dict[str, int]]:
+    def link_rows(self, handle: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Rows this rank sends over each link (dispatch direction, combine direction), read from the
-        handle of a fresh dispatch (before any combine rewrites its heads)."""
+        handle of a fresh dispatch (before any combine rewrites its heads), as device tensors: the
+        traffic counters read them back only when they are read."""
         if self.internode:
             return self._internode_link_rows(handle)
         column = handle.rank_prefix_matrix[:, self.rank].long()  # [R, R] prefix over sources, column = receiver
         received = torch.diff(column, prepend=column.new_zeros(1))
-        sent, received = torch.stack([handle.is_token_in_rank.sum(0), received]).tolist()
-        return self._by_link(sent), self._by_link(received)
+        return self._by_link(handle.is_token_in_rank.sum(0)), self._by_link(received)
 
-    def _internode_link_rows(self, handle: Any) -> tuple[dict[str, int], dict[str, int]]:
+    def _internode_link_rows(self, handle: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """As `hierarchical` counts its two hops. Dispatch: one RDMA record per token and other node,
         then the NVLink copies this rank makes as forwarder of its rail (`send_nvl_head` >= 0) to the
         other GPUs of its node. Combine: the same records back, i.e. the RDMA records received from
@@ -272,9 +272,8 @@ class NativeDispatcher:
         records_in = torch.diff(rdma, prepend=rdma.new_zeros(1))
         rows = handle.recv_gbl_rank_prefix_sum.long()
         rows_in = torch.diff(rows, prepend=rows.new_zeros(1)).view(-1, gpus)
-        inter_out, intra_out, inter_in, intra_in = torch.stack([
-            to_node.sum() - to_node[:, node].sum(), forwarded.sum() - forwarded[:, gpu].sum(),
-            records_in.sum() - records_in[node], rows_in.sum() - rows_in[:, gpu].sum()]).tolist()
+        inter_out, intra_out = to_node.sum() - to_node[:, node].sum(), forwarded.sum() - forwarded[:, gpu].sum()
+        inter_in, intra_in = records_in.sum() - records_in[node], rows_in.sum() - rows_in[:, gpu].sum()
         if gpus == 1:
             return {INTER_NODE: inter_out}, {INTER_NODE: inter_in}
         return {INTER_NODE: inter_out, INTRA_NODE: intra_out}, {INTER_NODE: inter_in, INTRA_NODE: intra_in}
@@ -284,16 +283,19 @@ class NativeDispatcher:
         payload = hidden + hidden // 128 * 4 if self.fp8 else hidden * x.element_size()
         return payload + k * 4 + k * topk_weights.element_size()
 
-    def count(self, direction: str, rows_per_link: dict[str, int], row_bytes: int) -> None:
+    def count(self, direction: str, rows_per_link: dict[str, torch.Tensor], row_bytes: int) -> None:
         for link, rows in rows_per_link.items():
-            self.traffic.add(direction, link, rows, rows * row_bytes)
+            self.traffic.add(direction, link, rows, row_bytes)
 
-    def _by_link(self, rows_per_rank: list[int]) -> dict[str, int]:
-        """Rows per peer -> rows per link (every link this rank has, even with no rows, as `Hop` counts)."""
-        out: dict[str, int] = {}
-        for link, rows in zip(self.links, rows_per_rank):
-            if link is not None:
-                out[link] = out.get(link, 0) + rows
+    def _by_link(self, rows_per_rank: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows per peer [R] -> rows per link (every link this rank has, even with no rows, as `Hop` counts)."""
+        first = self.rank // self.ranks_per_node * self.ranks_per_node
+        in_node = rows_per_rank[first:first + self.ranks_per_node].sum()
+        out = {}
+        if self.ranks_per_node > 1:
+            out[INTRA_NODE] = in_node - rows_per_rank[self.rank]
+        if self.num_ranks > self.ranks_per_node:
+            out[INTER_NODE] = rows_per_rank.sum() - in_node
         return out
 
     def _tokens_per_node(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 
 from moe_train.optim import set_learning_rate
 from moe_train.schedules import learning_rate
-from moe_train.train import Trainer
+from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -20,11 +20,12 @@ def run_steps(trainer: Trainer) -> list[dict]:
     steps = []
     for step in range(STEPS):
         set_learning_rate(trainer.optimizer, learning_rate(step, trainer.cfg.optim, trainer.cfg.train.steps))
-        losses = trainer.compute_gradients()
+        [losses] = read_metrics([trainer.compute_gradients()])
         grads = {name: (first_expert[name.split(".experts.")[0]] if is_expert_parameter(name) else None,
                         param.grad.detach().clone())
                  for name, param in trainer.model.named_parameters()}
-        steps.append({"losses": losses, "grads": grads, "grad_norm": trainer.apply_update()["grad_norm"]})
+        [update] = read_metrics([trainer.apply_update()])
+        steps.append({"losses": losses, "grads": grads, "grad_norm": update["grad_norm"]})
     return steps
 
 

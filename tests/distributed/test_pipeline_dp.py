@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from model.moe import aux_loss_grad_scale
-from moe_train.train import Trainer
+from moe_train.train import Trainer, read_metrics
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
 
@@ -116,14 +116,14 @@ def test_validation_equals_single_process(pools, corpus_cache, tmp_path, schedul
 def bf16_losses(cache_dir: str, run_dir: str, steps: int) -> list[float]:
     topology, trainer = _trainer(2, 1, "zb-h1", cache_dir, run_dir, "train.precision=bf16")
     try:
-        return [trainer.train_step()["loss"] for _ in range(steps)]
+        return [m["loss"] for m in read_metrics([trainer.train_step() for _ in range(steps)])]
     finally:
         _close(topology, trainer)
 
 
 def test_bf16_pipeline_follows_single_process(pools, corpus_cache, tmp_path):  # noqa: F811
     reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), *SHORT, "train.precision=bf16"))
-    expected = [reference.train_step()["loss"] for _ in range(3)]
+    expected = [m["loss"] for m in read_metrics([reference.train_step() for _ in range(3)])]
     results = pools.get(2).run(bf16_losses, corpus_cache, str(tmp_path / "run"), 3, deadline_s=120)
     for losses in results:
         assert losses[0] == pytest.approx(expected[0], rel=1e-5)

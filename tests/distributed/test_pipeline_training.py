@@ -6,7 +6,7 @@ norms and the parameters of their stages (global names; experts by global id), c
 import pytest
 import torch
 
-from moe_train.train import Trainer
+from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -26,7 +26,7 @@ def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: i
                              "parallel.dispatcher=local", f"checkpoint.resume={'auto' if resume else 'none'}",
                              "train.steps=4")
         trainer = Trainer(config, topology)
-        metrics = [trainer.train_step() for _ in range(steps)]
+        metrics = read_metrics([trainer.train_step() for _ in range(steps)])
         if resume:
             trainer.save()
         first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
@@ -49,7 +49,7 @@ def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: i
 
 def reference_run(cache_dir: str, run_dir: str, steps: int) -> Trainer:
     reference = Trainer(tiny_config(cache_dir, run_dir, *SHORT, "train.steps=4"))
-    reference.history = [reference.train_step() for _ in range(steps)]
+    reference.history = read_metrics([reference.train_step() for _ in range(steps)])
     return reference
 
 

@@ -12,7 +12,7 @@ from moe_train.config import load_config
 from moe_train.data import build_demo_corpus, load_tokenizer
 from moe_train.optim import set_learning_rate
 from moe_train.schedules import learning_rate
-from moe_train.train import Trainer
+from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
 from parallel.topology import build_topology
 
@@ -40,7 +40,7 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
         for step in range(3):
             for t in (trainer, reference):
                 set_learning_rate(t.optimizer, learning_rate(step, config.optim, config.train.steps))
-            losses, ref_losses = trainer.compute_gradients(), reference.compute_gradients()
+            losses, ref_losses = read_metrics([trainer.compute_gradients(), reference.compute_gradients()])
             worst["loss"] = max(worst["loss"], max(abs(losses[k] - ref_losses[k]) / abs(ref_losses[k])
                                                    for k in ("loss", "lm_loss", "mtp_loss")))
             ref_params = dict(reference.model.named_parameters())
@@ -51,7 +51,7 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
                     expected = expected[start:start + param.shape[0]]
                 scale = expected.abs().max().item() + 1e-12
                 worst["grad"] = max(worst["grad"], (param.grad - expected).abs().max().item() / scale)
-            update, ref_update = trainer.apply_update(), reference.apply_update()
+            update, ref_update = read_metrics([trainer.apply_update(), reference.apply_update()])
             worst["grad_norm"] = abs(update["grad_norm"] - ref_update["grad_norm"]) / ref_update["grad_norm"]
             for name, param in trainer.model.named_parameters():
                 expected = ref_params[name].data
@@ -104,7 +104,7 @@ def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_
     try:
         config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", "checkpoint.resume=auto", "train.steps=4")
         trainer = Trainer(config, topology)
-        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        losses = [m["loss"] for m in read_metrics([trainer.train_step() for _ in range(steps)])]
         trainer.save()
         return losses
     finally:
@@ -117,7 +117,7 @@ def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_
 def test_checkpoint_resumes_with_another_layout(pools, corpus_cache, tmp_path, first, second):
     run_dir = str(tmp_path / "run")
     reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), "train.steps=4"))
-    expected = [reference.train_step()["loss"] for _ in range(4)]
+    expected = [m["loss"] for m in read_metrics([reference.train_step() for _ in range(4)])]
     world, ep, per_node = first
     before = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, deadline_s=300)[0]
     world, ep, per_node = second

@@ -46,11 +46,13 @@ def _step(d, rank: int, num_experts: int, dtype: torch.dtype):
 
 def _compare(native: list, reference: list) -> None:
     names = ["recv_x", "recv_idx", "recv_w", "counts", "combined", "x.grad", "w.grad", "rows", "bytes"]
-    exact = {"recv_x", "recv_idx", "recv_w", "counts", "rows", "bytes"}
+    exact = {"recv_x", "recv_idx", "recv_w", "rows", "bytes"}
     for rank, (got, want) in enumerate(zip(native, reference)):
         for name, a, b in zip(names, got, want):
             if isinstance(a, dict):
                 assert a == b, f"rank {rank}: traffic {name}"
+            elif isinstance(a, list):  # the received slots per expert, a host list
+                assert a == b, f"rank {rank}: {name}"
             elif name in exact:
                 assert torch.equal(a, b), f"rank {rank}: {name}"
             else:  # sums: the kernels accumulate in fp32 in rank order, as the reference does, up to rounding

@@ -31,7 +31,7 @@ def run_hierarchical(num_nodes: int, gpus_per_node: int, xs: list[torch.Tensor],
             recv_x, local, recv_w, counts, plan = d.dispatch(xs[rank], topk_idx[rank], topk_weights[rank],
                                                              d.layout(topk_idx[rank], num_experts))
             combined = d.combine(combine_inputs(rank, recv_x), plan)
-        return HierarchicalResult(recv_x, local, recv_w, counts.tolist(), combined, dict(d.traffic.rows))
+        return HierarchicalResult(recv_x, local, recv_w, counts, combined, dict(d.traffic.rows))
 
     return SimulatedEPGroup(num_nodes * gpus_per_node, gpus_per_node).run(step)
 

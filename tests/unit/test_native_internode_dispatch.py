@@ -88,12 +88,14 @@ def test_native_internode_matches_hierarchical(nodes, gpus, fp8, dtype):
     native, group, made = _run_native(nodes, gpus, fp8, dtype)
     reference = _run_hierarchical(nodes, gpus, fp8, dtype)
     names = ["recv_x", "recv_idx", "recv_w", "counts", "combined", "x.grad", "w.grad", "rows", "bytes"]
-    exact = {"recv_x", "recv_idx", "recv_w", "counts"}
+    exact = {"recv_x", "recv_idx", "recv_w"}
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # sums in another order, rounded to the payload dtype
     for rank, (got, want) in enumerate(zip(native, reference)):
         for name, a, b in zip(names, got, want):
             if isinstance(a, dict):
                 assert a == b, f"rank {rank}: traffic {name}"
+            elif isinstance(a, list):  # the received slots per expert, a host list
+                assert a == b, f"rank {rank}: {name}"
             elif name in exact:
                 assert torch.equal(a, b), f"rank {rank}: {name}"
             else:

@@ -192,7 +192,8 @@ def test_experts_without_tokens_get_zero_gradients(models, skipped):
     idx = allowed[torch.randint(0, len(allowed), (tokens, topk))]
     x = torch.randn(tokens, TINY.hidden_size, requires_grad=True)
     weights, grad_out = torch.rand(tokens, topk), torch.randn(tokens, TINY.hidden_size)
-    experts(x, idx, weights).backward(grad_out)
+    slots = int((idx >= 0).sum())
+    experts(x, idx, weights, slots).backward(grad_out)
     expected = {name: p.grad.clone() for name, p in experts.named_parameters()}
     expected_x = x.grad.clone()
     experts.zero_grad(set_to_none=True)
@@ -200,7 +201,7 @@ def test_experts_without_tokens_get_zero_gradients(models, skipped):
     store = WeightGradStore()
     with split_backward(store):
         with store.scope(0, 0, ActionKind.B):
-            experts(x, idx, weights).backward(grad_out)
+            experts(x, idx, weights, slots).backward(grad_out)
         assert all(p.grad is None for p in experts.parameters())
         store.run_w(0, 0)
     torch.testing.assert_close(x.grad, expected_x)
