@@ -5,9 +5,12 @@ only the router logits stay fp32, and weight gradients land in the fp32 master w
 The GEMMs are recorded by `benchmarks.gemm_precision.GemmCensus` (a TorchDispatchMode), whose
 FLOP count is first checked against the closed-form count of `model/flops.py`.
 """
+from collections import defaultdict
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.gemm_precision import census_step
 from model.flops import training_flops_per_token
@@ -15,6 +18,7 @@ from model.layers import GroupedLinear, RMSNorm
 from model.router import Router
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
+from moe_train.runtime import autocast
 from parallel.pipeline.ir import ActionKind
 from parallel.pipeline.wgrad import WeightGradStore, split_backward
 
@@ -79,6 +83,32 @@ def test_bf16_step_runs_its_weight_gemms_in_bf16(demo_model, split):
     # fp32 master weights, their gradients in fp32 `.grad`.
     for name, param in demo_model.named_parameters():
         assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
+
+
+class InputDtypes(TorchDispatchMode):
+    """The dtypes of the first argument of each call of `ops`."""
+
+    def __init__(self, ops) -> None:
+        super().__init__()
+        self.ops, self.seen = ops, defaultdict(set)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.ops:
+            self.seen[func.overloadpacket.__name__].add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(demo_model):
+    aten = torch.ops.aten
+    ids, labels = draw_ids(3, DEMO.vocab_size, batch=1)
+    with InputDtypes({aten.rsqrt, aten._log_softmax, aten.nll_loss_forward, aten.sigmoid}) as mode:
+        with autocast(ids.device, "bf16"):
+            out = demo_model(ids, labels)
+        out.loss.backward()
+    # RMSNorm's 1/rms, the cross-entropies (head and MTP) and the router's sigmoid scores.
+    assert mode.seen == {"rsqrt": {torch.float32}, "_log_softmax": {torch.float32},
+                         "nll_loss_forward": {torch.float32}, "sigmoid": {torch.float32}}
+    assert out.loss.dtype == out.lm_loss.dtype == out.aux_loss.dtype == torch.float32
 
 
 def grouped_forward_backward(layer: GroupedLinear, x: torch.Tensor, offsets: torch.Tensor,
