@@ -1,24 +1,31 @@
-"""Forward+backward tokens/s of our model versus transformers' DeepseekV3ForCausalLM.
+"""Forward+backward tokens/s of our model versus transformers' DeepseekV3ForCausalLM, and of ours
+in bf16 and under torch.compile.
 
-Both run the same small DeepSeek-V3 config (the demo shape by default) with the same weights,
-threads, batch and precision, in the same process; the ratio is what to read. MTP is off in ours
-(HF's CausalLM has none), and the balance loss is off (HF computes none).
+Both models run the same small DeepSeek-V3 config (the demo shape by default) with the same
+weights, threads and batch, in fp32, in the same process; the ratio is what to read. MTP is off in
+ours (HF's CausalLM has none), and the balance loss is off (HF computes none). Our model also runs
+under bf16 autocast (`train.precision=bf16`), with `train.compile=regions` (fp32) and with
+`train.compile=model` (bf16); each ratio compares steps timed in alternation in this run (compiling
+happens in the warm-up, minutes on a CPU).
 
     python benchmarks/model_step.py [--config moe_train/configs/demo.yaml] [--batch 8] [--seq 256]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
 from model.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
+from moe_train.runtime import autocast, compile_model
 
 
 def time_alternating(steps: dict, warmup: int, repeats: int) -> dict[str, float]:
@@ -58,22 +65,39 @@ def main() -> None:
     ids = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1))
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    def step_ours() -> None:
-        ours.zero_grad(set_to_none=True)
-        ours(inputs, labels).loss.backward()
+    def step_of(model: torch.nn.Module, precision: str) -> Callable[[], None]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with autocast(inputs.device, precision):
+                loss = model(inputs, labels).loss
+            loss.backward()
+        return step
 
     def step_hf() -> None:
         hf.zero_grad(set_to_none=True)
         hf(input_ids=inputs, labels=ids[:, :-1].clone()).loss.backward()
 
+    compiled = {}
+    for mode, precision in (("regions", "fp32"), ("model", "bf16")):
+        compiled[mode] = copy.deepcopy(ours)
+        print(f"train.compile={mode} ({precision}): {compile_model(compiled[mode], mode, precision)}")
+    rows = {  # name: (step, label)
+        "hf": (step_hf, "transformers DeepseekV3ForCausalLM, fp32"),
+        "ours": (step_of(ours, "fp32"), "ours (model.DeepSeekV3), fp32"),
+        "bf16": (step_of(ours, "bf16"), "ours, bf16 autocast"),
+        "regions": (step_of(compiled["regions"], "fp32"), "ours, fp32, train.compile=regions"),
+        "model": (step_of(compiled["model"], "bf16"), "ours, bf16, train.compile=model"),
+    }
     tokens = opts.batch * opts.seq
-    medians = time_alternating({"hf": step_hf, "ours": step_ours}, opts.warmup, opts.repeats)
-    t_hf, t_ours = medians["hf"], medians["ours"]
-    print(f"config {opts.config} batch {opts.batch} x seq {opts.seq}, {opts.threads} threads, fp32, "
+    medians = time_alternating({name: step for name, (step, _) in rows.items()}, opts.warmup, opts.repeats)
+    print(f"config {opts.config} batch {opts.batch} x seq {opts.seq}, {opts.threads} threads, "
           f"attn={hf.config._attn_implementation}")
-    print(f"transformers DeepseekV3ForCausalLM: {tokens / t_hf:10.0f} tokens/s ({t_hf * 1000:.0f} ms/step)")
-    print(f"ours (model.DeepSeekV3):            {tokens / t_ours:10.0f} tokens/s ({t_ours * 1000:.0f} ms/step)")
-    print(f"ratio ours / transformers: {t_hf / t_ours:.2f}x")
+    for name, (_, label) in rows.items():
+        print(f"{label + ':':42s} {tokens / medians[name]:8.0f} tokens/s ({medians[name] * 1000:.0f} ms/step)")
+    print(f"ratio ours / transformers (fp32):        {medians['hf'] / medians['ours']:.2f}x")
+    print(f"step-time ratio bf16 / fp32 (eager):     {medians['bf16'] / medians['ours']:.2f}")
+    print(f"speed-up compile=regions / eager (fp32): {medians['ours'] / medians['regions']:.2f}x")
+    print(f"speed-up compile=model / eager (bf16):   {medians['bf16'] / medians['model']:.2f}x")
 
 
 if __name__ == "__main__":

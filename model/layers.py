@@ -75,6 +75,18 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a weight GEMM computes in: autocast's (which leaves fp64 alone), else the weight's.
+
+    F.linear gets this from autocast itself; the grouped GEMM and the split-backward Functions
+    cast explicitly, since autocast neither covers `torch._grouped_mm` nor reaches a backward.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 class GemmOps:
     """The two weight-GEMM entry points; the pipeline replaces this object's methods for B/W split."""
 
@@ -82,9 +94,10 @@ class GemmOps:
         return F.linear(x, weight)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if x.dtype != weight.dtype:
-            x = x.to(weight.dtype)
-        return _GroupedLinearFunction.apply(x, weight, offsets)
+        """Under autocast both operands go to bf16; the casts' backward returns the weight
+        gradient in the fp32 of the master weight, to accumulate into its fp32 `.grad`."""
+        dtype = gemm_dtype(x, weight)
+        return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
 
 
 GEMM_OPS = GemmOps()

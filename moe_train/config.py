@@ -19,6 +19,7 @@ from model.args import ModelArgs
 from parallel.pipeline.builders import SCHEDULES
 
 PRECISIONS = ("fp32", "bf16")
+COMPILE_MODES = ("none", "regions", "model")
 DEVICES = ("auto", "cpu", "cuda")
 DISPATCHERS = ("auto", "local", "alltoall", "hierarchical", "native", "deepep")
 NATIVE_ALTERNATIVES = "use 'hierarchical' for an EP group across nodes, 'alltoall' or 'hierarchical' inside one node"
@@ -65,6 +66,7 @@ class TrainConfig:
     eval_interval: int = 0  # 0: no validation
     eval_iters: int = 2
     precision: str = "fp32"
+    compile: str = "none"  # torch.compile: none, regions (attention, dense MLP, norms) or model (see runtime.compile_model)
     device: str = "auto"
     threads: Optional[int] = None  # torch CPU threads (default: torch's choice)
     peak_tflops: float = 989.0  # per accelerator, dense BF16, for MFU on CUDA
@@ -279,6 +281,10 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("train.seq_length",
                          f"{t.seq_length} exceeds model.max_position_embeddings={config.model.max_position_embeddings}"))
     _choice(problems, "train.precision", t.precision, PRECISIONS)
+    _choice(problems, "train.compile", t.compile, COMPILE_MODES)
+    if t.compile != "none" and p.pp > 1:
+        problems.append(("train.compile", f"{t.compile!r} needs parallel.pp=1, got {p.pp}: a compiled region would "
+                                          "bypass the split backward that defers the pipeline's weight gradients"))
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)

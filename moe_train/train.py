@@ -27,7 +27,7 @@ from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_conf
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
 from moe_train.metrics import MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
-from moe_train.runtime import autocast, configure_threads, seed_everything, select_device
+from moe_train.runtime import autocast, compile_model, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher, native_unavailable
@@ -143,6 +143,7 @@ class Trainer:
             self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
+        self.compiled = compile_model(self.model, config.train.compile, config.train.precision)
         self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None)
         self.grads = GradientSync(self.model, topology,
                                   () if self.pipeline is None else self.pipeline.replicas.norm_duplicates)
@@ -157,6 +158,8 @@ class Trainer:
         if self.is_logger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(config))
+        if config.train.compile != "none":
+            self.logger.info(f"torch.compile: {self.compiled}")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.layers import GEMM_OPS, GemmOps, grouped_mm, grouped_weight_grad
+from model.layers import GEMM_OPS, GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
 
 WeightGradWork = Callable[[], None]
@@ -148,20 +148,12 @@ def _grouped_weight_grad(weight: nn.Parameter, grad_out: torch.Tensor, x: torch.
     _accumulate(weight, grouped_weight_grad(grad_out, x, offsets))
 
 
-def _linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear would compute in: autocast's (which leaves fp64 alone), else the weight's."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
-
-
 class SplitLinearFunction(torch.autograd.Function):
     """y = x @ W^T. Casts explicitly (autocast does not reach the backward of a custom Function)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, store: WeightGradStore) -> torch.Tensor:
-        dtype = _linear_dtype(x, weight)
+        dtype = gemm_dtype(x, weight)
         x_c, w_c = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x_c, w_c)
         ctx.weight, ctx.store, ctx.x_dtype = weight, store, x.dtype
@@ -178,22 +170,25 @@ class SplitLinearFunction(torch.autograd.Function):
 
 
 class SplitGroupedLinearFunction(torch.autograd.Function):
-    """y = x_g @ W_g^T per expert group; the grouped weight-gradient GEMM is deferred."""
+    """y = x_g @ W_g^T per expert group; the grouped weight-gradient GEMM is deferred. Casts as
+    `SplitLinearFunction` does."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, offsets: torch.Tensor,
                 store: WeightGradStore) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, offsets)
-        ctx.store = store
-        return grouped_mm(x, weight.transpose(1, 2), offsets)
+        dtype = gemm_dtype(x, weight)
+        x_c, w_c = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_c, w_c, offsets)
+        ctx.weight, ctx.store, ctx.x_dtype = weight, store, x.dtype
+        return grouped_mm(x_c, w_c.transpose(1, 2), offsets)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, offsets = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_x = grouped_mm(grad_out, weight, offsets) if ctx.needs_input_grad[0] else None
+        x_c, w_c, offsets = ctx.saved_tensors
+        grad_out = grad_out.to(w_c.dtype).contiguous()
+        grad_x = grouped_mm(grad_out, w_c, offsets).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            ctx.store.put(partial(_grouped_weight_grad, weight, grad_out, x, offsets))
+            ctx.store.put(partial(_grouped_weight_grad, ctx.weight, grad_out, x_c, offsets))
         return grad_x, None, None, None
 
 
@@ -207,8 +202,6 @@ class SplitGemmOps(GemmOps):
         return SplitLinearFunction.apply(x, weight, self.store)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if x.dtype != weight.dtype:
-            x = x.to(weight.dtype)
         return SplitGroupedLinearFunction.apply(x, weight, offsets, self.store)
 
 

@@ -58,6 +58,8 @@ def test_wrong_types_name_the_key():
     (["parallel.ep=3"], "parallel.ep", "not divisible"),
     (["parallel.comm_sms=7"], "parallel.comm_sms", "even number"),
     (["train.seq_length=8192"], "train.seq_length", "max_position_embeddings"),
+    (["train.compile=full"], "train.compile", "must be one of none, regions, model"),
+    (["train.compile=regions", "parallel.pp=2"], "train.compile", "needs parallel.pp=1"),
 ])
 def test_impossible_combinations(overrides, key, fragment):
     problems = problems_of(overrides, "moe_train/configs/tiny.yaml")

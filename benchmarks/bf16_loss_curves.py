@@ -1,0 +1,52 @@
+"""bf16 against fp32 training: the loss curves of one run (same seed, data and initialisation)
+trained with `train.precision=bf16` and with `fp32`, and how far apart they are.
+
+    python -m benchmarks.bf16_loss_curves [--config moe_train/configs/demo.yaml] [--steps 100]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+from moe_train.config import load_config
+from moe_train.train import Trainer
+
+
+def loss_curve(config_path: str, precision: str, steps: int, overrides: list[str]) -> list[float]:
+    """The training loss of each of `steps` steps (the learning-rate schedule spans them)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(config_path, [f"train.precision={precision}", f"train.steps={steps}",
+                                           f"logging.dir={run_dir}", "logging.tensorboard=false",
+                                           "checkpoint.resume=none", *overrides])
+        trainer = Trainer(config)
+        trainer.model.train()
+        try:
+            return [trainer.train_step()["loss"] for _ in range(steps)]
+        finally:
+            trainer.logger.close()
+
+
+def curve_difference(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Max and mean over steps of |a - b|."""
+    gaps = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return max(gaps), statistics.fmean(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    opts = parser.parse_args()
+    curves = {p: loss_curve(opts.config, p, opts.steps, opts.overrides) for p in ("fp32", "bf16")}
+    seed = load_config(opts.config, opts.overrides).train.seed
+    print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
+    for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
+        print(f"step {step + 1:4d}  fp32 {curves['fp32'][step]:.4f}  bf16 {curves['bf16'][step]:.4f}")
+    worst, mean = curve_difference(curves["bf16"], curves["fp32"])
+    print(f"|bf16 - fp32| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
+
+
+if __name__ == "__main__":
+    main()
