@@ -18,11 +18,10 @@ every Linear saves its own bf16 copy of an fp32 input, in fp32 the input itself 
   MoE 4d (the router reads it in fp32) + the shared expert's casts 2 x 2d;
 - dense FFN: 4 f b (gate, SiLU, up, product);
 - MoE: router 4E + 12k + 4 (+ 4 with the balance loss); two int64 slot orders 16k; routed experts
-  e (2kd + 5kf) + 4k, e = 4 (their grouped GEMMs run in fp32, see `EXPERTS_AUTOCAST`); shared
-  expert 4 fs b;
+  e (2kd + 5kf) + 4k, e = b (their grouped GEMMs follow autocast too); shared expert 4 fs b;
 - layer output 4d (the residual stream is fp32 in both precisions).
 Under bf16 autocast each forward also keeps bf16 copies of the Linear weights it used (2 bytes per
-parameter per micro-batch; not the router's, nor the routed experts' unless `EXPERTS_AUTOCAST`).
+parameter per micro-batch, the routed experts' included; not the router's).
 With EP > 1 the dispatch adds its receive buffers and saved ids, which are not counted.
 
 The peak during the layer's backward adds the incoming output gradient (4d) and the gradients and
@@ -75,13 +74,9 @@ def split_units(num_units: int, num_stages: int) -> list[range]:
     return bounds
 
 
-# Whether the routed experts' grouped GEMMs follow bf16 autocast. Here they do not: GemmOps.grouped
-# casts their activations to the fp32 master weights, so they run and keep fp32 under bf16 too.
-EXPERTS_AUTOCAST = False
-
-
 def _expert_bytes(bf16: bool) -> int:
-    return 2 if bf16 and EXPERTS_AUTOCAST else 4
+    """Bytes per element the routed experts keep: their grouped GEMMs follow autocast (GemmOps.grouped)."""
+    return 2 if bf16 else 4
 
 
 @dataclass(frozen=True)
@@ -124,14 +119,13 @@ def _kept_per_token(a: ModelArgs, moe: bool, bf16: bool) -> float:
 
 
 def _cast_weights(a: ModelArgs, moe: bool, local_experts: int) -> int:
-    """Parameters that autocast casts to bf16 at every forward: the Linear modules' (and the routed
-    experts' with `EXPERTS_AUTOCAST`)."""
+    """Parameters that autocast casts to bf16 at every forward: the Linear modules' and the routed experts'."""
     d, heads, r = a.hidden_size, a.num_attention_heads, a.qk_pos_emb_head_dim
     qk = heads * a.qk_full_head_dim
     q = d * qk if a.q_lora_rank is None else a.q_lora_rank * (d + qk)
     kv = d * (a.kv_lora_rank + r) + a.kv_lora_rank * heads * (a.qk_head_dim + a.v_head_dim)
     ffn = 3 * d * (a.moe_shared_expert_intermediate_size if moe else a.ffn_hidden_size)
-    routed = 3 * d * a.moe_ffn_hidden_size * local_experts if moe and EXPERTS_AUTOCAST else 0
+    routed = 3 * d * a.moe_ffn_hidden_size * local_experts if moe else 0
     return q + kv + heads * a.v_head_dim * d + ffn + routed
 
 
