@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,9 +90,12 @@ def asan_preload() -> str:
 @dataclass
 class Result:
     ran: int
-    failed: list[str]  # test ids (they name the schedule and seed)
+    failed: list[str]  # test ids (they name the schedule and seed); a test that crashed the process ends it
     seconds: float
     output: str        # pytest's (and, under --asan, AddressSanitizer's) output
+
+
+_OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
 
 
 def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
@@ -107,23 +110,25 @@ def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
         subprocess.run(build, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
         if asan:
             env.update(LD_PRELOAD=asan_preload(), ASAN_OPTIONS="detect_leaks=0:halt_on_error=1")
-        report = tree / "report.xml"
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider",
-                               *(["-s"] if asan else []), f"--junitxml={report}", *(["-k", select] if select else [])],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/kernels", "-v", "-p", "no:cacheprovider",
+                               *(["-s"] if asan else []), *(["-k", select] if select else [])],
                               cwd=tree, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
-        output = proc.stdout + proc.stderr
-        if not report.is_file():  # the process ended early (an AddressSanitizer report ends it)
-            return Result(0, ["(the test process ended: see the output)"], seconds, output)
-        ran, failed = 0, []
-        for case in ET.parse(report).getroot().iter("testcase"):
-            if case.find("skipped") is not None:
-                continue
+    output = proc.stdout + proc.stderr
+    ran, failed = 0, []
+    for line in proc.stdout.splitlines():
+        match = _OUTCOME.match(line)
+        if match and match.group(2) != "SKIPPED":
             ran += 1
-            if case.find("failure") is not None or case.find("error") is not None:
-                failed.append(f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}")
-        return Result(ran, failed, seconds, output)
+            if match.group(2) != "PASSED":
+                failed.append(match.group(1).split("/")[-1])
+    if proc.returncode not in (0, 1):  # the process died (a crash, or an AddressSanitizer report)
+        started = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("tests/")]
+        failed.append(f"{started[-1].split('/')[-1] if started else '(collection)'}: the process died "
+                      f"(exit {proc.returncode})")
+        ran += 1
+    return Result(ran, failed, seconds, output)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         sanitizer = next((line for line in result.output.splitlines() if "ERROR: AddressSanitizer" in line), None)
         if sanitizer:
             print(f"    {sanitizer.strip()}")
+        elif result.ran == 0:
+            print("    " + "\n    ".join(result.output.strip().splitlines()[-8:]))
     return 0 if caught_all else 1
 
 
