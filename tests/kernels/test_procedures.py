@@ -36,7 +36,7 @@ def test_a_planted_sender_that_skips_the_room_wait_is_caught():
 
 def test_asan_finds_a_receiver_writing_one_row_too_far():
     clean = run_kernel_tests(None, "test_intranode and dispatch_and_combine and (0-cpu or 1-cpu)", asan=True)
-    assert clean.ran == 2 and not clean.failed, clean.output[-3000:]
+    assert clean.ran >= 2 and not clean.failed, clean.output[-3000:]
     planted = run_kernel_tests(BUGS["row_too_far"], "test_intranode and dispatch_and_combine and 0-cpu", asan=True)
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in planted.output, planted.output[-3000:]
     assert "receive_record" in planted.output, planted.output[-3000:]  # the report names the kernel function

@@ -47,7 +47,7 @@ constexpr uint64_t kMaxStepsAfterDeadlock = 1ULL << 26;
 constexpr size_t kMaxPrintedLines = 4096;
 
 enum class State : uint8_t { kRunnable, kBlocked, kExited, kTrapped };
-enum class Wait : uint8_t { kNone, kCollective, kBarrier };
+enum class Wait : uint8_t { kNone, kCollective, kBarrier, kParked };
 
 struct Block;
 struct Warp;
@@ -69,6 +69,8 @@ struct Fiber {
     int num_sites = 0;
     uint64_t counted_epoch = 0;  // the epoch in which this fiber counts as stuck
     int64_t priority = 0;        // PCT
+    bool expired = false;        // after a deadlock: this fiber's clock reads pass every spin budget
+    bool caught_up = false;      // ... it was let through one clock read unexpired to rejoin its warp
     uint64_t* canary = nullptr;
 };
 
@@ -220,8 +222,14 @@ struct Launch {
     uint64_t stuck_epoch = 0;
     uint64_t probe_epoch = 0;
     int stuck_count = 0;
-    bool expire = false;  // a deadlock was found: clock reads now pass every spin budget
-    uint64_t expire_step = 0;
+    // After a deadlock is found, every fiber is parked at its next clock read; once all runnable ones
+    // are, they expire: their clock reads pass every spin budget from then on, so each waiting role
+    // times out. Parking keeps the lanes of a warp in step (converged lanes read the same clock): a
+    // parked lane whose warp-mates wait at a collective it has not reached is first let through one
+    // more read unexpired, to rejoin them (a lane spinning alone comes back to park, and expires).
+    bool pending_expire = false;
+    uint64_t pending_step = 0;
+    std::vector<Fiber*> parked;
 
     int status = cudaSuccess;
     std::string failure;
@@ -232,6 +240,7 @@ struct Launch {
     void add_runnable(Fiber* f) {
         f->state = State::kRunnable;
         f->wait = Wait::kNone;
+        if (counted(f)) ++stuck_count;  // woken by a warp collective: still in the same stuck wait loop
         position[f->id] = static_cast<int>(runnable.size());
         runnable.push_back(f->id);
         if (schedule.policy == Policy::kRoundRobin) bitmap[f->id / 64] |= 1ULL << (f->id % 64);
@@ -248,8 +257,7 @@ struct Launch {
         position[f->id] = -1;
         if (schedule.policy == Policy::kRoundRobin) bitmap[f->id / 64] &= ~(1ULL << (f->id % 64));
         if (schedule.policy == Policy::kPct) by_priority.erase({-f->priority, f->id});
-        if (counted(f)) --stuck_count;
-        f->counted_epoch = 0;
+        if (counted(f)) --stuck_count;  // it stays counted for the epoch: see add_runnable
     }
 
     void demote(Fiber* f) {
@@ -333,8 +341,9 @@ struct Launch {
     // `f` is at the spin point `site`. It counts as stuck once it comes back to a point it passed in
     // this epoch: it went around its wait loop, so its loads since the last change saw no progress.
     void note_spin(Fiber* f, const void* site) {
-        if (expire) {
-            if (steps - expire_step > kMaxStepsAfterDeadlock) fail(cudaErrorLaunchTimeout, "deadlock: fibers keep spinning without reaching a timeout");
+        if (pending_expire) {
+            if (steps - pending_step > kMaxStepsAfterDeadlock)
+                fail(cudaErrorLaunchTimeout, "deadlock: fibers keep spinning without reaching a timeout");
             return;
         }
         if (f->spin_epoch != epoch) {
@@ -364,8 +373,28 @@ struct Launch {
             probe_epoch = ++epoch;
             return;
         }
-        expire = true;
-        expire_step = steps;
+        pending_expire = true;
+        pending_step = steps;
+    }
+
+    // At a clock read while a deadlock's expiry is pending: wait there until every runnable fiber does.
+    void park(Fiber* f) {
+        parked.push_back(f);
+        f->state = State::kBlocked;
+        f->wait = Wait::kParked;
+        remove_runnable(f);
+        if (!runnable.empty()) {
+            leave(f, false);
+            return;
+        }
+        for (Fiber* p : parked) {
+            if (!p->caught_up && p->warp->arrived > 0)
+                p->caught_up = true;
+            else
+                p->expired = true;
+            add_runnable(p);
+        }
+        parked.clear();
     }
 
     // --- checks of warp convergence ---------------------------------------------------------------------
@@ -425,7 +454,9 @@ std::string blocked_summary(const Launch& L) {
             std::map<std::string, std::vector<int>> by_wait;
             for (const Fiber* f : w.lanes) {
                 if (f->state != State::kBlocked) continue;
-                const std::string at = f->wait == Wait::kCollective ? std::string(collective_name(w.kind)) : barrier_name(f->wait_barrier);
+                const std::string at = f->wait == Wait::kCollective ? std::string(collective_name(w.kind))
+                                       : f->wait == Wait::kParked ? std::string("a clock read (parked after a deadlock)")
+                                                                  : barrier_name(f->wait_barrier);
                 by_wait[at].push_back(f->lane);
             }
             if (by_wait.empty()) continue;
@@ -500,21 +531,24 @@ long long clock64() {
     yield_at(Event::kClock, __builtin_return_address(0));
     Launch& L = launch_state();
     Fiber* f = L.current;
-    f->clock += L.expire ? kExpiredJump : kCyclesPerClockRead;
+    if (L.pending_expire && !f->expired) L.park(f);
+    f->clock += f->expired ? kExpiredJump : kCyclesPerClockRead;
     return f->clock;
 }
 
 void nanosleep(unsigned ns) {
     yield_at(Event::kSleep, __builtin_return_address(0));
     Launch& L = launch_state();
-    L.current->clock += L.expire ? kExpiredJump : 2LL * ns;  // 2 cycles per ns
+    Fiber* f = L.current;
+    if (L.pending_expire && !f->expired) L.park(f);
+    f->clock += f->expired ? kExpiredJump : 2LL * ns;  // 2 cycles per ns
 }
 
 void trap() {
     Launch& L = launch_state();
     Fiber* f = L.current;
     ++L.traps;
-    if (!L.expire) L.fail(cudaErrorLaunchFailure, "__trap in " + L.where(f));
+    if (!L.pending_expire) L.fail(cudaErrorLaunchFailure, "__trap in " + L.where(f));
     // After a deadlock every waiting role times out and traps in turn; the rest keep reporting.
     f->state = State::kTrapped;
     L.remove_runnable(f);
@@ -547,8 +581,15 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
     L.require_converged(f, ("reaches " + name).c_str());
     for (int j = 0; j < kWarp; ++j) {
         if (((mask >> j) & 1u) == 0) continue;
-        if (j >= static_cast<int>(w.lanes.size()) || w.lanes[j]->state == State::kExited || w.lanes[j]->state == State::kTrapped)
+        if (j >= static_cast<int>(w.lanes.size()) || w.lanes[j]->state == State::kExited)
             L.fail(cudaErrorIllegalInstruction, L.where(f) + " waits at " + name + " for lane " + std::to_string(j) + ", which has exited");
+        if (w.lanes[j]->state == State::kTrapped) {  // after a deadlock: this lane waits for good (reported as blocked)
+            f->state = State::kBlocked;
+            f->wait = Wait::kCollective;
+            w.kind = kind;
+            L.remove_runnable(f);
+            L.leave(f, true);
+        }
     }
     if (w.arrived == 0) {
         w.kind = kind;
@@ -747,7 +788,7 @@ int launch(const char* launcher, int blocks, int threads, Stream* stream, bool c
     bool all_done = true;
     for (const Fiber& f : L.fibers) all_done &= f.state == State::kExited;
     if (status == cudaSuccess && !all_done) {
-        if (L.expire && L.traps > 0) {
+        if (L.pending_expire && L.traps > 0) {
             status = cudaErrorLaunchFailure;
             what = "deadlock: no fiber could make progress, so every waiting role was timed out (" +
                    std::to_string(L.traps) + " trapped)";
