@@ -25,6 +25,8 @@ def console_line(m: dict[str, Any], total_steps: int) -> str:
              f"load max/mean {m['expert_load_max_over_mean']:.2f}"]
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped {m['skipped_steps']}")
     if "valid_loss" in m:
         parts.append(f"valid {m['valid_loss']:.4f}")
     parts.append(f"ETA {format_duration(m['eta_s'])}")
