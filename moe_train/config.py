@@ -116,6 +116,7 @@ class CheckpointConfig:
 class LoggingConfig:
     dir: str = "runs/default"
     tensorboard: bool = True  # when the tensorboard package is installed
+    overwrite: bool = False  # with checkpoint.resume=none: move an earlier run in dir aside (never deleted)
 
 
 @dataclass
@@ -308,6 +309,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
     if p.timeout_s <= 0:
         problems.append(("parallel.timeout_s", "must be positive"))
+    if config.logging.overwrite and c.resume != "none":
+        problems.append(("logging.overwrite", f"true needs checkpoint.resume=none, got {c.resume!r}"))
     if c.keep < 1:
         problems.append(("checkpoint.keep", f"must be >= 1, got {c.keep}"))
     if c.interval < 0:

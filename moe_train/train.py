@@ -28,6 +28,7 @@ from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_conf
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
 from moe_train.metrics import MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
+from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.runtime import autocast, compile_model, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
@@ -407,8 +408,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None:
+    """Rank 0 claims `logging.dir` (see moe_train.run_dir); every rank gets its outcome, so all stop together."""
+    lock, error = None, None
+    if topology is None or topology.rank == 0:
+        try:
+            lock = claim_run_dir(config)
+        except RunDirError as err:
+            error = str(err)
+    if topology is not None:
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        error = outcome[0]
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
         topology = start_distributed(config)
@@ -418,13 +437,22 @@ def main(argv: list[str] | None = None) -> int:
             m = config.model
             print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
                                     m.moe_router_group_topk, m.moe_router_topk), flush=True)
+        lock = claim_on_rank_0(config, topology)
         trainer = Trainer(config, topology)
+    except RunDirError as err:  # rank 0's outcome, told once
+        if topology is None or topology.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
+        if lock is not None:
+            lock.release()
         return EXIT_BAD_INPUT
     try:
         return trainer.train()
     finally:
+        if lock is not None:
+            lock.release()
         if trainer.pipeline is not None:
             trainer.pipeline.destroy()
         if topology is not None:
