@@ -26,7 +26,7 @@ from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iterati
                                   save_checkpoint)
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
-from moe_train.metrics import MetricsLogger, format_duration
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.runtime import autocast, compile_model, configure_threads, seed_everything, select_device
@@ -40,6 +40,7 @@ from parallel.topology import Topology, TopologyError, init_distributed, routing
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_WRITE_FAILED = 4  # a log or checkpoint could not be written during the run (disk full, read-only, ...)
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
 
 
@@ -161,8 +162,11 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
                                     tensorboard=config.logging.tensorboard, resume_step=self.step)
         if self.is_logger:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(config))
+            path = self.run_dir / "config.yaml"
+            try:
+                path.write_text(to_yaml(config))
+            except OSError as err:
+                raise LogWriteError(f"cannot write {path}: {err.strerror}") from err
         if config.train.compile != "none":
             self.logger.info(f"torch.compile: {self.compiled}")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
@@ -364,6 +368,10 @@ class Trainer:
         except TrainingDiverged as err:
             self.logger.info(f"error: {err}")
             return EXIT_DIVERGED
+        except (CheckpointError, LogWriteError) as err:  # the previous checkpoint stays the latest
+            if self.is_logger:  # every rank has the checkpoint error, rank 0 with every rank's part
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            return EXIT_WRITE_FAILED
         finally:
             self.logger.close()
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         if topology is None or topology.rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
+    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable, LogWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         if lock is not None:
             lock.release()
