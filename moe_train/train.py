@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             m = config.model
             print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
                                     m.moe_router_group_topk, m.moe_router_topk), flush=True)
+        choose_dispatcher(config, topology)  # a backend that cannot run fails before logging.dir is created
         lock = claim_on_rank_0(config, topology)
         trainer = Trainer(config, topology)
     except RunDirError as err:  # rank 0's outcome, told once
