@@ -61,7 +61,7 @@ def sequence_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_sequ
     return coeff * (f * p).sum(-1).mean()
 
 
-def expert_bias_update(load: torch.Tensor, rate: float) -> torch.Tensor:
+def expert_bias_update(load: torch.Tensor, rate: float | torch.Tensor) -> torch.Tensor:
     """The aux-loss-free update b += rate * sign(mean load - load): overloaded experts go down."""
     load = load.float()
     return rate * torch.sign(load.mean() - load)
@@ -107,7 +107,7 @@ class Router(nn.Module):
         return Routing(topk_idx, weights * self.scaling_factor, scores)
 
     @torch.no_grad()
-    def apply_bias_update(self, load: torch.Tensor, rate: float) -> None:
-        """Update the correction bias from a (globally reduced) load vector."""
+    def apply_bias_update(self, load: torch.Tensor, rate: float | torch.Tensor) -> None:
+        """Update the correction bias from a (globally reduced) load vector (a 0-d tensor rate: 0 skips on the device)."""
         if self.use_bias:
             self.e_score_correction_bias += expert_bias_update(load.to(self.e_score_correction_bias.device), rate)

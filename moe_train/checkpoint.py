@@ -23,6 +23,7 @@ import io
 import os
 import random
 import re
+import resource
 import shutil
 import warnings
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from moe_train.data.atomic import fsync_dir
@@ -133,8 +135,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     what = f"saving {final}"
     _on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
     state = _full_state_dict(model, optimizer)
+    needed = sum(t.numel() * t.element_size() for _, t in _flat_tensors(state))
     _on_all_ranks(lambda: _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
-                                     process_group=process_group), process_group, what)
+                                     process_group=process_group), process_group, what, (root, needed))
     _on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)
     _on_all_ranks(lambda: _publish(root, tmp, final, step, keep) if coordinator else None, process_group, what)
     return final
@@ -254,16 +257,47 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: str) -> Any:
+def _one_line(error: BaseException) -> str:
+    """`Type: first line`; for DCP's CheckpointException (a BaseException holding each rank's
+    exception and traceback) that of the first failed rank's exception."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error, _trace = next(iter(error.failures.values()))
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _write_limit(folder: Path, needed: int) -> str:
+    """Why writing `needed` bytes under `folder` cannot succeed ('' if no limit explains it): a full
+    disk, or a file size limit. torch's writer reports a short write as 'unexpected pos'."""
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return ""
+    if free < needed:
+        return f" (no space left on device: {free} bytes free, the checkpoint needs about {needed})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < needed:
+        return f" (the file size limit, ulimit -f, is {limit} bytes)"
+    return ""
+
+
+def _on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: str,
+                  writes: tuple[Path, int] | None = None) -> Any:
     """fn() on this rank, then an exchange of outcomes so that every rank raises if any rank failed.
 
     Without it a rank that failed alone would leave the others waiting in the next collective.
+    `writes`: (folder, bytes) a write needs there, to name a full disk or a file size limit as the cause.
     """
     try:
         result, error = fn(), None
-    except Exception as err:  # reported to every rank below
+    except (Exception, CheckpointException) as err:  # reported to every rank below
         result, error = None, err
-    messages = [None if error is None else f"{type(error).__name__}: {error}"]
+    message = None
+    if error is not None:
+        message = str(error) if isinstance(error, CheckpointError) else _one_line(error)
+        if writes is not None and not isinstance(error, CheckpointError):
+            message += _write_limit(*writes)
+    messages = [message]
     if dist.is_available() and dist.is_initialized():
         gathered: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, messages[0], group=group)

@@ -70,6 +70,7 @@ class TrainConfig:
     device: str = "auto"
     threads: Optional[int] = None  # torch CPU threads (default: torch's choice)
     peak_tflops: float = 989.0  # per accelerator, dense BF16, for MFU on CUDA
+    max_skipped_steps: int = 3  # consecutive steps skipped for a non-finite gradient norm before stopping (exit 3)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class CheckpointConfig:
 class LoggingConfig:
     dir: str = "runs/default"
     tensorboard: bool = True  # when the tensorboard package is installed
+    overwrite: bool = False  # with checkpoint.resume=none: move an earlier run in dir aside (never deleted)
 
 
 @dataclass
@@ -271,7 +273,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
     """Cross-field checks that do not need the process layout (that is checked at start-up)."""
     problems = [(f"model.{key}", message) for key, message in config.model.validate()]
     t, o, p, c = config.train, config.optim, config.parallel, config.checkpoint
-    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "log_interval", "eval_iters"):
+    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "log_interval", "eval_iters",
+                "max_skipped_steps"):
         if getattr(t, key) <= 0:
             problems.append((f"train.{key}", f"must be positive, got {getattr(t, key)}"))
     if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
@@ -306,6 +309,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
     if p.timeout_s <= 0:
         problems.append(("parallel.timeout_s", "must be positive"))
+    if config.logging.overwrite and c.resume != "none":
+        problems.append(("logging.overwrite", f"true needs checkpoint.resume=none, got {c.resume!r}"))
     if c.keep < 1:
         problems.append(("checkpoint.keep", f"must be >= 1, got {c.keep}"))
     if c.interval < 0:

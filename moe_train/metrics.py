@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from moe_train.data.atomic import temp_path_for
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -25,18 +27,38 @@ def console_line(m: dict[str, Any], total_steps: int) -> str:
              f"load max/mean {m['expert_load_max_over_mean']:.2f}"]
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped {m['skipped_steps']}")
     if "valid_loss" in m:
         parts.append(f"valid {m['valid_loss']:.4f}")
     parts.append(f"ETA {format_duration(m['eta_s'])}")
     return " | ".join(parts)
 
 
+class LogWriteError(RuntimeError):
+    """A log file that cannot be written or read back; the message names the path and the error."""
+
+
 def truncate_after(path: Path, step: int) -> None:
-    """Drop records past `step` (a resumed run rewrites them), replacing the file atomically."""
+    """Drop records past `step` (a resumed run rewrites them), replacing the file atomically.
+
+    A torn last line (a run stopped while writing it, or a full disk) is dropped with a warning.
+    """
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number < len(lines):
+                raise LogWriteError(f"{path}: line {number} is not a JSON record ({err}); fix or move the file") from None
+            print(f"warning: {path}: dropped a torn last line ({len(line)} characters)", file=sys.stderr, flush=True)
+            continue
+        if record["step"] <= step:
+            kept.append(line)
+    tmp = Path(temp_path_for(str(path)))
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
 
@@ -51,9 +73,12 @@ class MetricsLogger:
         if not enabled:
             return
         self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_after(self.path, resume_step)
-        self.file = open(self.path, "a")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            truncate_after(self.path, resume_step)
+            self.file = open(self.path, "a")
+        except OSError as err:
+            raise LogWriteError(f"cannot write {err.filename or self.path}: {err.strerror}") from err
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -68,8 +93,11 @@ class MetricsLogger:
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+        except OSError as err:
+            raise LogWriteError(f"cannot write {self.path}: {err.strerror}") from err
         self.info(console_line(metrics, self.total_steps))
         if self.writer is not None:
             for key, value in metrics.items():
@@ -78,6 +106,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.enabled:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:
+                pass  # a failed write was reported when it happened
             if self.writer is not None:
                 self.writer.close()

@@ -22,11 +22,13 @@ from model.flops import training_flops_per_token
 from model.init import initialize_parameters
 from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
+from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iteration, load_checkpoint, resolve_resume,
+                                  save_checkpoint)
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
-from moe_train.metrics import MetricsLogger, format_duration
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
+from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.runtime import autocast, compile_model, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
@@ -38,6 +40,7 @@ from parallel.topology import Topology, TopologyError, init_distributed, routing
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_WRITE_FAILED = 4  # a log or checkpoint could not be written during the run (disk full, read-only, ...)
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
 
 
@@ -106,11 +109,12 @@ def read_metrics(steps: list[dict[str, torch.Tensor | float]]) -> list[dict[str,
     return [{k: next(values) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in steps]
 
 
-def _check_finite(record: dict[str, float]) -> None:
-    for part in ("loss", *LOSS_PARTS):
-        if not math.isfinite(record[part]):
-            raise TrainingDiverged(f"non-finite {part} ({record[part]}) at step {record['step']}; "
-                                   f"stopping without saving, the last good checkpoint is kept")
+def non_finite_part(record: dict[str, float]) -> str | None:
+    """The first non-finite part of a step's record, as a message names it (lm, mtp, aux, gradient), or None."""
+    for part, key in (("lm", "lm_loss"), ("mtp", "mtp_loss"), ("aux", "aux_loss"), ("gradient", "grad_norm")):
+        if not math.isfinite(record[key]):
+            return f"{part} {'norm' if part == 'gradient' else 'loss'} ({record[key]})"
+    return None
 
 
 class Trainer:
@@ -151,13 +155,18 @@ class Trainer:
         self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size,
                                     dp_size, dp_rank)
         self.step = 0
+        self.consecutive_skips = 0
+        self.skipped_since_log = 0
         self.stop_signal: int | None = None
         self._resume()
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
                                     tensorboard=config.logging.tensorboard, resume_step=self.step)
         if self.is_logger:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(config))
+            path = self.run_dir / "config.yaml"
+            try:
+                path.write_text(to_yaml(config))
+            except OSError as err:
+                raise LogWriteError(f"cannot write {path}: {err.strerror}") from err
         if config.train.compile != "none":
             self.logger.info(f"torch.compile: {self.compiled}")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
@@ -176,7 +185,28 @@ class Trainer:
         if self.is_logger:
             print(f"resumed from {path} at step {self.step}", flush=True)
 
+    def kept_checkpoint(self) -> str:
+        step = latest_iteration(self.cfg.checkpoint_dir)
+        if step is None:
+            return "no checkpoint was written"
+        return f"the last good checkpoint is kept: {iteration_dir(self.cfg.checkpoint_dir, step)}"
+
+    def state_is_finite(self) -> bool:
+        """Whether every weight, buffer and optimizer state tensor of the whole job is finite: one
+        all-reduce and one host read, made before each save."""
+        tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *(v for state in self.optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor) and v.is_floating_point())]
+        finite = torch.stack([t.isfinite().all() for t in tensors]).all().float()
+        if self.topology is not None:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
     def save(self) -> Path:
+        """Write a checkpoint of the current step; TrainingDiverged instead when the state is not finite."""
+        if not self.state_is_finite():
+            raise TrainingDiverged(f"step {self.step}: non-finite weights or optimizer state, not saving them; "
+                                   f"{self.kept_checkpoint()}")
         extra = {"step": self.step, "data": self.sampler.state_dict(),
                  "consumed_samples": self.sampler.consumed_samples}
         return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
@@ -214,8 +244,9 @@ class Trainer:
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
                 "aux_loss": aux_loss}
 
-    def _update_router_biases(self, rate: float) -> torch.Tensor:
-        """Bias update from the global batch's expert loads; returns the worst max/mean load ratio."""
+    def _update_router_biases(self, rate: float, keep: torch.Tensor) -> torch.Tensor:
+        """Bias update from the global batch's expert loads, times `keep` (0 on a skipped step);
+        returns the worst max/mean load ratio."""
         routers = self.model.routers()
         ratio = torch.ones((), device=self.device)
         if routers:
@@ -223,7 +254,7 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline.replicas.sum_loads(loads)
             for router, load in zip(routers, loads):
-                router.apply_bias_update(load, rate)
+                router.apply_bias_update(load, keep * rate)
                 router.expert_load.zero_()
             ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max()
         if self.pipeline is not None:
@@ -240,14 +271,21 @@ class Trainer:
         return losses
 
     def apply_update(self) -> dict[str, torch.Tensor]:
-        """Clip, optimizer step, router-bias update; advances the step counter."""
+        """Clip, optimizer step, router-bias update; advances the step counter.
+
+        A step whose global gradient norm is not finite is skipped on the device (every rank sees the
+        same norm): the fused AdamW gets it as `found_inf` and leaves weights, moments and step
+        counts alone, and the bias update is multiplied by 0. `skipped` is counted when read back.
+        """
         cfg = self.cfg
         grad_norm = self.grads.clip(cfg.optim.clip_grad)
+        skipped = (~grad_norm.isfinite()).float()
+        self.optimizer.found_inf = skipped
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model))
+        load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
         self.step += 1
-        return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio}
+        return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio, "skipped": skipped}
 
     def train_step(self) -> dict[str, torch.Tensor | float]:
         """One optimizer step. Its metrics stay on the device (`read_metrics` brings them to the host),
@@ -312,8 +350,7 @@ class Trainer:
                     continue  # the metrics stay on the device until the next log, checkpoint or signal
                 records = read_metrics(pending)
                 pending = []
-                for record in records:
-                    _check_finite(record)
+                self._count_skips(records)
                 elapsed = time.perf_counter() - start
                 step_times += [elapsed / len(records)] * len(records)
                 if log:
@@ -331,17 +368,39 @@ class Trainer:
         except TrainingDiverged as err:
             self.logger.info(f"error: {err}")
             return EXIT_DIVERGED
+        except (CheckpointError, LogWriteError) as err:  # the previous checkpoint stays the latest
+            if self.is_logger:  # every rank has the checkpoint error, rank 0 with every rank's part
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            return EXIT_WRITE_FAILED
         finally:
             self.logger.close()
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
         return 0
 
+    def _count_skips(self, records: list[dict[str, float]]) -> None:
+        """Report each skipped step; TrainingDiverged after `train.max_skipped_steps` in a row."""
+        limit = self.cfg.train.max_skipped_steps
+        for record in records:
+            if not record.pop("skipped"):
+                self.consecutive_skips = 0
+                continue
+            self.consecutive_skips += 1
+            self.skipped_since_log += 1
+            why = f"step {record['step']}: non-finite {non_finite_part(record)}"
+            if self.consecutive_skips >= limit:
+                raise TrainingDiverged(f"{why}; {self.consecutive_skips} consecutive steps skipped "
+                                       f"(train.max_skipped_steps={limit}), stopping; {self.kept_checkpoint()}")
+            self.logger.info(f"{why}: step skipped, no update ({self.consecutive_skips} in a row, "
+                             f"train.max_skipped_steps={limit})")
+
     def _log(self, metrics: dict[str, float], step_times: list[float], evaluate: bool) -> None:
-        """Log one step's record; tokens/s are those of the steps since the previous read-back."""
+        """Log one step's record; tokens/s are those of the steps since the previous read-back,
+        `skipped_steps` the steps skipped since the previous record (Megatron's skipped iterations)."""
         cfg = self.cfg
         recent = step_times[-20:]
-        record = {**metrics, "consumed_samples": self.sampler.consumed_samples,
+        record = {**metrics, "consumed_samples": self.sampler.consumed_samples, "skipped_steps": self.skipped_since_log,
                   "eta_s": (cfg.train.steps - self.step) * sum(recent) / len(recent)}
+        self.skipped_since_log = 0
         if self.device.type == "cuda":
             record["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (cfg.train.peak_tflops * 1e12)
         if evaluate:
@@ -357,8 +416,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None:
+    """Rank 0 claims `logging.dir` (see moe_train.run_dir); every rank gets its outcome, so all stop together."""
+    lock, error = None, None
+    if topology is None or topology.rank == 0:
+        try:
+            lock = claim_run_dir(config)
+        except RunDirError as err:
+            error = str(err)
+    if topology is not None:
+        outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        error = outcome[0]
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
         topology = start_distributed(config)
@@ -368,13 +445,23 @@ def main(argv: list[str] | None = None) -> int:
             m = config.model
             print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
                                     m.moe_router_group_topk, m.moe_router_topk), flush=True)
+        choose_dispatcher(config, topology)  # a backend that cannot run fails before logging.dir is created
+        lock = claim_on_rank_0(config, topology)
         trainer = Trainer(config, topology)
-    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
+    except RunDirError as err:  # rank 0's outcome, told once
+        if topology is None or topology.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable, LogWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
+        if lock is not None:
+            lock.release()
         return EXIT_BAD_INPUT
     try:
         return trainer.train()
     finally:
+        if lock is not None:
+            lock.release()
         if trainer.pipeline is not None:
             trainer.pipeline.destroy()
         if topology is not None:

@@ -65,6 +65,15 @@ class ZeroOneAdamW:
     def state(self) -> dict:
         return self.local.state
 
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """GradScaler's protocol, passed to the local fused AdamW: a 1.0 tensor skips the step on the device."""
+        return getattr(self.local, "found_inf", None)
+
+    @found_inf.setter
+    def found_inf(self, value: torch.Tensor | None) -> None:
+        self.local.found_inf = value
+
     @torch.no_grad()
     def step(self) -> None:
         self.local.step()

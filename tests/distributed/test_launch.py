@@ -67,3 +67,20 @@ def test_a_dead_rank_stops_every_rank_and_is_named(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_locked_run_dir_stops_every_rank_with_one_line(tmp_path):
+    """Rank 0 finds logging.dir held (here by this test process); every rank learns it and exits 2."""
+    from moe_train.run_dir import lock_run_dir
+
+    run = tmp_path / "run"
+    lock = lock_run_dir(run)
+    try:
+        proc = torchrun(run, tmp_path / "cache", "train.steps=3")
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        lock.release()
+    assert proc.returncode != 0
+    assert out.count(f"error: logging.dir: {run} is in use by another run (pid {os.getpid()} on ") == 1, out[-3000:]
+    assert "exitcode  : 2" in out and "]: Traceback" not in out, out[-3000:]
+    assert not (run / "metrics.jsonl").exists()

@@ -1,6 +1,7 @@
 """End-to-end training runs on the tiny config: metrics, exact resume after SIGKILL, signals,
 NaN handling, bad input, the launcher and the plot script."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -9,11 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
-from moe_train.checkpoint import latest_iteration
+from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import load_config
-from moe_train.train import EXIT_DIVERGED, Trainer, main
+from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "moe_train/configs/tiny.yaml")
@@ -93,24 +95,89 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_dir):
     assert latest_iteration(run / "checkpoints") >= 1
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, cache_dir, capsys):
+def _snapshot(trainer):
+    """Every weight, buffer (router biases) and optimizer state tensor, cloned."""
+    state = {f"model.{k}": v.clone() for k, v in trainer.model.state_dict().items()}
+    for index, per_param in enumerate(trainer.optimizer.state.values()):
+        state.update({f"optim.{index}.{k}": v.clone() for k, v in per_param.items() if isinstance(v, torch.Tensor)})
+    return state
+
+
+def test_non_finite_gradient_skips_the_step_on_the_device(tmp_path, cache_dir):
+    """The NaN step changes no weight, router bias, Adam moment or step count; the next step trains on."""
     run = tmp_path / "run"
-    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5", "checkpoint.interval=1")[1::2]))
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5")[1::2]))
+    trainer.train_step()
+    before = _snapshot(trainer)
+    hook = trainer.model.lm_head.weight.register_hook(lambda grad: grad * float("nan"))
+    skipped_step = trainer.train_step()
+    hook.remove()
+    after = _snapshot(trainer)
+    assert after.keys() == before.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed == [], changed
+    next_step = trainer.train_step()
+    [skipped, trained] = read_metrics([skipped_step, next_step])
+    assert skipped["skipped"] == 1.0 and math.isnan(skipped["grad_norm"])
+    assert trained["skipped"] == 0.0 and math.isfinite(trained["grad_norm"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert {float(s["step"]) for s in trainer.optimizer.state.values()} == {2.0}  # 3 steps, 1 skipped
+    assert not torch.equal(trainer.model.lm_head.weight, after["model.lm_head.weight"])
+
+
+def test_consecutive_skips_stop_with_exit_3_naming_step_part_and_kept_checkpoint(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=8", "checkpoint.interval=2",
+                                                  "train.log_interval=1", "train.max_skipped_steps=3")[1::2]))
+    trainer.train_step()
     trainer.train_step()
     trainer.save()
-    trainer.model.lm_head.weight.data.fill_(float("nan"))
-    assert trainer.train() == EXIT_DIVERGED
-    assert "non-finite loss (nan) at step 2" in capsys.readouterr().out
-    assert latest_iteration(run / "checkpoints") == 1
-
-
-def test_non_finite_message_names_step_and_part(tmp_path, cache_dir, capsys):
-    run = tmp_path / "run"
-    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=3")[1::2]))
-    trainer.model.lm_head.weight.data.fill_(float("nan"))
+    good = _snapshot(trainer)
+    trainer.model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
     assert trainer.train() == EXIT_DIVERGED
     out = capsys.readouterr().out
-    assert "non-finite loss (nan) at step 1" in out and latest_iteration(run / "checkpoints") is None
+    assert "step 3: non-finite lm loss (nan): step skipped, no update (1 in a row, train.max_skipped_steps=3)" in out
+    assert "step 4: non-finite lm loss (nan): step skipped" in out
+    assert (f"step 5: non-finite lm loss (nan); 3 consecutive steps skipped (train.max_skipped_steps=3), stopping; "
+            f"the last good checkpoint is kept: {run / 'checkpoints' / 'iter_0000004'}") in out
+    assert latest_iteration(run / "checkpoints") == 4  # steps 3 and 4 skipped: the weights of step 2
+    skipped_steps = [r["skipped_steps"] for r in records(run)]
+    assert skipped_steps == [1, 1], skipped_steps  # the log lines of steps 3 and 4
+    reloaded = Trainer(load_config(TINY, overrides(tmp_path / "reload", cache_dir, "train.steps=8",
+                                                   f"checkpoint.resume={run / 'checkpoints'}")[1::2]))
+    assert reloaded.step == 4
+    weights = [f"model.{name}" for name, _ in reloaded.model.named_parameters()]
+    weights += [k for k in good if k.endswith("e_score_correction_bias")]
+    assert len(weights) > 50 and all(torch.equal(_snapshot(reloaded)[k], good[k]) for k in weights)
+
+
+def test_save_refuses_non_finite_weights(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5")[1::2]))
+    trainer.train_step()
+    trainer.save()
+    trainer.train_step()
+    trainer.model.norm.weight.data[0] = float("inf")
+    with pytest.raises(TrainingDiverged, match="step 2: non-finite weights or optimizer state, not saving them; "
+                                               "the last good checkpoint is kept: .*iter_0000001"):
+        trainer.save()
+    assert latest_iteration(run / "checkpoints") == 1 and list_iterations(run / "checkpoints") == [1]
+
+
+def test_huge_learning_rate_stops_with_exit_3_and_every_checkpoint_is_finite(tmp_path, cache_dir, capsys):
+    """The probe's case: optim.lr=1e30 once applied a NaN-gradient step and saved it."""
+    run = tmp_path / "run"
+    code = main(["--config", TINY, *overrides(run, cache_dir, "train.steps=10", "checkpoint.interval=1",
+                                              "checkpoint.keep=10", "optim.lr=1e30", "train.log_interval=1")])
+    out = capsys.readouterr().out
+    assert code == EXIT_DIVERGED, out
+    assert "consecutive steps skipped" in out or "non-finite weights" in out
+    steps = list_iterations(run / "checkpoints")
+    print(f"checkpoints kept: {steps}")
+    for step in steps:
+        trainer = Trainer(load_config(TINY, overrides(tmp_path / f"load{step}", cache_dir, "train.steps=10",
+                                                      f"checkpoint.resume={iteration_dir(run / 'checkpoints', step)}")[1::2]))
+        assert trainer.step == step and trainer.state_is_finite(), step
 
 
 def test_bad_config_exits_2_without_traceback(tmp_path, cache_dir):
