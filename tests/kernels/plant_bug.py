@@ -124,7 +124,7 @@ def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
             ran += 1
             if match.group(2) != "PASSED":
                 failed.append(match.group(1).split("/")[-1])
-    if proc.returncode not in (0, 1):  # the process died (a crash, or an AddressSanitizer report)
+    if proc.returncode not in (0, 1) or "ERROR: AddressSanitizer" in output:  # the process died (a crash or ASan)
         started = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("tests/")]
         failed.append(f"{started[-1].split('/')[-1] if started else '(collection)'}: the process died "
                       f"(exit {proc.returncode})")
