@@ -95,7 +95,7 @@ class Result:
     output: str        # pytest's (and, under --asan, AddressSanitizer's) output
 
 
-_OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::\S+)")  # pytest -rA's summary lines
 
 
 def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
@@ -111,7 +111,7 @@ def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
         if asan:
             env.update(LD_PRELOAD=asan_preload(), ASAN_OPTIONS="detect_leaks=0:halt_on_error=1")
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/kernels", "-v", "-p", "no:cacheprovider",
+        proc = subprocess.run([sys.executable, "-m", "pytest", "tests/kernels", "-v", "-rA", "-p", "no:cacheprovider",
                                "--ignore=tests/kernels/test_procedures.py",  # (it plants bugs itself)
                                *(["-s"] if asan else []), *(["-k", select] if select else [])],
                               cwd=tree, env=env, capture_output=True, text=True)
@@ -120,12 +120,12 @@ def run_kernel_tests(bug: Bug | None, select: str | None, asan: bool) -> Result:
     ran, failed = 0, []
     for line in proc.stdout.splitlines():
         match = _OUTCOME.match(line)
-        if match and match.group(2) != "SKIPPED":
+        if match:
             ran += 1
-            if match.group(2) != "PASSED":
-                failed.append(match.group(1).split("/")[-1])
+            if match.group(1) != "PASSED":
+                failed.append(match.group(2).split("/")[-1])
     if proc.returncode not in (0, 1) or "ERROR: AddressSanitizer" in output:  # the process died (a crash or ASan)
-        started = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("tests/")]
+        started = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("tests/") and "::" in line]
         failed.append(f"{started[-1].split('/')[-1] if started else '(collection)'}: the process died "
                       f"(exit {proc.returncode})")
         ran += 1
