@@ -15,13 +15,21 @@ from parallel.topology import layout_problems
 
 
 def layout_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
-    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc)."""
+    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc): the
+    layout, the batch split and, with pp > 1, the schedule and stage cut the trainer would build."""
+    from moe_train.train import plan_pipeline  # (torch and the model: only when a layout is checked)
+
     p, t = config.parallel, config.train
     world = nodes * nproc
     problems = layout_problems(world, p.pp, p.ep, p.gpus_per_node or nproc, config.model.num_moe_experts)
     if not problems and t.global_batch_size % (t.micro_batch_size * (world // p.pp)):
         problems.append(("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
                          f"train.micro_batch_size={t.micro_batch_size} x dp={world // p.pp} ({world} processes)"))
+    if not problems and p.pp > 1:
+        try:
+            plan_pipeline(config, world // p.pp)
+        except ConfigError as err:
+            problems.extend(err.problems)
     return problems
 
 

@@ -244,3 +244,18 @@ def test_bf16_loss_curve_follows_fp32(cache_dir):
     assert curves["bf16"][0] == pytest.approx(curves["fp32"][0], abs=1e-3)  # same model and batch
     assert worst < 0.1 and mean < 0.04
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
+
+
+def test_launcher_refuses_a_pipeline_split_the_trainer_cannot_run_before_starting_any_process(tmp_path):
+    """dualpipev on pp 2 needs 4 micro-batches; the tiny config's batch on dp 2 gives 1: one line, exit 2,
+    no torchrun traceback (the workers are never started)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPROC_PER_NODE": "4", "PYTHON": sys.executable}
+    env.pop("SLURM_JOB_ID", None)
+    args = ["--set", "parallel.pp=2", "--set", "parallel.ep=2", "--set", "parallel.schedule=dualpipev",
+            "--set", f"logging.dir={tmp_path / 'run'}"]
+    bad = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", TINY, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    lines = [line for line in bad.stderr.splitlines() if "dualpipev needs microbatches" in line]
+    assert len(lines) == 1 and "parallel: schedule dualpipev on pp=2 with 1 micro-batches" in lines[0], bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "run").exists()
