@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -252,6 +253,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<file>"
             raise ConfigError([(where, f"invalid YAML: {getattr(err, 'problem', err)}")], source) from None
+        if data is None:  # an empty file would silently train the built-in defaults into runs/default
+            raise ConfigError([("<file>", "is empty (no sections); name the sections to set, or pass no "
+                                          "--config to run the defaults")], source)
         apply_mapping(config, data, problems)
     for text in overrides:
         key, value = parse_override(text)
@@ -295,9 +299,15 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("parallel.dispatcher",
                          f"'native' runs CUDA kernels, not with train.device=cpu; {NATIVE_ALTERNATIVES}"))
     _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
-    for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail"):
-        if getattr(o, key) < 0:
-            problems.append((f"optim.{key}", f"must be >= 0, got {getattr(o, key)}"))
+    for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail",
+                "clip_grad"):
+        value = getattr(o, key)
+        if not math.isfinite(value) or value < 0:  # (nan < 0 is False: a NaN would pass a plain range check)
+            problems.append((f"optim.{key}", f"must be a finite number >= 0, got {value}"))
+    if t.threads is not None and t.threads < 1:
+        problems.append(("train.threads", f"must be >= 1 (or unset for torch's choice), got {t.threads}"))
+    if not math.isfinite(t.peak_tflops) or t.peak_tflops <= 0:
+        problems.append(("train.peak_tflops", f"must be a finite number > 0, got {t.peak_tflops}"))
     if o.min_lr > o.lr:
         problems.append(("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}"))
     for key in ("pp", "ep", "virtual_stages"):
@@ -307,8 +317,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
     if p.comm_sms < 2 or p.comm_sms % 2:
         problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
-    if p.timeout_s <= 0:
-        problems.append(("parallel.timeout_s", "must be positive"))
+    if not math.isfinite(p.timeout_s) or p.timeout_s <= 0:
+        problems.append(("parallel.timeout_s", f"must be a finite number of seconds > 0, got {p.timeout_s}"))
     if config.logging.overwrite and c.resume != "none":
         problems.append(("logging.overwrite", f"true needs checkpoint.resume=none, got {c.resume!r}"))
     if c.keep < 1:

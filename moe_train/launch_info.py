@@ -1,8 +1,9 @@
 """Validate a config for the launcher and print the processes per node to start.
 
 `python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P] [--log-dir]`
-checks the config and the process layout for N nodes x P processes (P defaults to
-parallel.nproc_per_node, else 1) before anything starts; exit 2 with the problems listed.
+checks the config, the process layout for N nodes x P processes (P defaults to
+parallel.nproc_per_node, else 1) and the pipeline schedule and stage cut the trainer would build,
+before anything starts; exit 2 with the problems listed.
 With --log-dir a second line gives the resolved logging.dir (the launcher's per-job logs go below it).
 """
 from __future__ import annotations
@@ -15,22 +16,27 @@ from parallel.topology import layout_problems
 
 
 def layout_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
-    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc): the
-    layout, the batch split and, with pp > 1, the schedule and stage cut the trainer would build."""
-    from moe_train.train import plan_pipeline  # (torch and the model: only when a layout is checked)
-
+    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc)."""
     p, t = config.parallel, config.train
     world = nodes * nproc
     problems = layout_problems(world, p.pp, p.ep, p.gpus_per_node or nproc, config.model.num_moe_experts)
     if not problems and t.global_batch_size % (t.micro_batch_size * (world // p.pp)):
         problems.append(("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
                          f"train.micro_batch_size={t.micro_batch_size} x dp={world // p.pp} ({world} processes)"))
-    if not problems and p.pp > 1:
-        try:
-            plan_pipeline(config, world // p.pp)
-        except ConfigError as err:
-            problems.extend(err.problems)
     return problems
+
+
+def pipeline_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
+    """With pp > 1: the problems of the schedule and stage cut the trainer would build on this layout."""
+    from moe_train.train import plan_pipeline  # (torch and the model: only when there is a pipeline)
+
+    if config.parallel.pp == 1:
+        return []
+    try:
+        plan_pipeline(config, nodes * nproc // config.parallel.pp)
+    except ConfigError as err:
+        return err.problems
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         nproc = args.nproc_per_node or config.parallel.nproc_per_node or 1
         if nproc * args.nodes > 1 or config.parallel.ep > 1 or config.parallel.pp > 1:
-            problems = layout_errors(config, args.nodes, nproc)
+            problems = layout_errors(config, args.nodes, nproc) or pipeline_errors(config, args.nodes, nproc)
             if problems:
                 raise ConfigError(problems, f"{args.nodes} node(s) x {nproc} process(es)")
     except ConfigError as err:

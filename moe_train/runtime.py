@@ -11,14 +11,14 @@ from torch import nn
 
 from model.attention import MLA
 from model.layers import RMSNorm, SwiGLU
-from moe_train.config import TrainConfig
+from moe_train.config import ConfigError, TrainConfig
 
 COMPILED_REGIONS = (MLA, SwiGLU, RMSNorm)  # train.compile=regions: attention, dense MLP / shared expert, norms
 
 
 def select_device(train: TrainConfig) -> torch.device:
     if train.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but CUDA is not available on this machine")
+        raise ConfigError([("train.device", "cuda, but CUDA is not available on this machine (use cpu, or auto)")])
     if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

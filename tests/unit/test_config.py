@@ -78,3 +78,46 @@ def test_section_must_be_mapping(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"train": [1, 2]}))
     assert problems_of([], bad) == [("train", "must be a mapping of keys")]
+
+
+# Values a probe found giving a traceback or accepted silently: each stops at load with one line naming the key.
+BAD_VALUES = [
+    ("train.threads=-1", "train.threads", "must be >= 1"),
+    ("train.threads=0", "train.threads", "must be >= 1"),
+    ("parallel.timeout_s=inf", "parallel.timeout_s", "finite number of seconds"),
+    ("parallel.timeout_s=0", "parallel.timeout_s", "finite number of seconds"),
+    ("optim.lr=nan", "optim.lr", "finite number >= 0, got nan"),
+    ("optim.lr=-1e-3", "optim.lr", "finite number >= 0"),
+    ("optim.clip_grad=-1", "optim.clip_grad", "finite number >= 0, got -1"),
+    ("optim.weight_decay=inf", "optim.weight_decay", "finite number >= 0, got inf"),
+    ("train.peak_tflops=0", "train.peak_tflops", "finite number > 0"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps", "must be positive"),
+]
+
+
+@pytest.mark.parametrize("override,key,message", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values_stop_at_load_naming_the_key(override, key, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    messages = dict(info.value.problems)
+    assert key in messages and message in messages[key], info.value.problems
+
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(empty)
+
+
+def test_cuda_without_a_gpu_is_a_config_error_naming_the_key():
+    import torch
+
+    from moe_train.runtime import select_device
+
+    config = load_config(None, ["train.device=cuda"])
+    if torch.cuda.is_available():
+        assert select_device(config.train).type == "cuda"
+        return
+    with pytest.raises(ConfigError, match="train.device: cuda, but CUDA is not available"):
+        select_device(config.train)
