@@ -214,6 +214,30 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
     return problems
 
 
+def start_up_memory_problems(config: Config, world: int, available_gib: float, memory: str) -> list[tuple[str, str]]:
+    """A lower bound of one process's memory against `available_gib`, what `memory` (e.g. "cpu memory")
+    offers each process here: checked at start-up, before the model is allocated. Cheap and analytical
+    (make_plan builds the stages' modules, too slow for a model that is far too large): parameters,
+    gradients and Adam state (16 bytes each) as if spread evenly over all `world` processes, plus one
+    micro-batch's activations of the first stage's layers unless they are recomputed."""
+    a, t, pp = config.model, config.train, config.parallel.pp
+    counts = count_parameters(a)
+    states = 16 * (counts.total + counts.mtp_total) / world
+    activations = 0.0
+    if not config.model.recompute_granularity:
+        tokens = t.micro_batch_size * t.seq_length
+        experts = max(1, a.num_moe_experts // config.parallel.ep)
+        first = range(-(-a.num_layers // pp))
+        activations = sum(layer_memory(a, a.is_moe_layer(i), tokens, t.precision, experts).kept for i in first)
+    need = (states + activations) / GIB
+    if need <= available_gib:
+        return []
+    return [("memory", f"{memory}: each process needs at least {need:.1f} GiB (parameters, gradients and Adam "
+                       f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB) "
+                       f"but {available_gib:.1f} GiB is available per process; use a smaller model, more processes, "
+                       "model.recompute_granularity=full, or a smaller train.micro_batch_size or train.seq_length")]
+
+
 def format_plan(plan: ClusterPlan) -> str:
     cfg, p, t = plan.config, plan.config.parallel, plan.config.train
     counts = count_parameters(cfg.model)

@@ -28,8 +28,10 @@ from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_conf
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
+from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
-from moe_train.runtime import autocast, compile_model, configure_threads, seed_everything, select_device
+from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, seed_everything,
+                               select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher, native_unavailable
@@ -433,6 +435,16 @@ def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None
     return lock
 
 
+def refuse_what_cannot_fit(config: Config, topology: Topology | None) -> None:
+    """A model or batch that cannot fit this machine stops before it is allocated (start_up_memory_problems)."""
+    device = select_device(config.train)
+    world = topology.world_size if topology is not None else 1
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problems = start_up_memory_problems(config, world, available_memory_gib(device, here), f"{device.type} memory")
+    if problems:
+        raise ConfigError(problems)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     topology, lock = None, None
@@ -446,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
                                     m.moe_router_group_topk, m.moe_router_topk), flush=True)
         choose_dispatcher(config, topology)  # a backend that cannot run fails before logging.dir is created
+        refuse_what_cannot_fit(config, topology)
         lock = claim_on_rank_0(config, topology)
         trainer = Trainer(config, topology)
     except RunDirError as err:  # rank 0's outcome, told once

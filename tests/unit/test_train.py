@@ -259,3 +259,14 @@ def test_launcher_refuses_a_pipeline_split_the_trainer_cannot_run_before_startin
     lines = [line for line in bad.stderr.splitlines() if "dualpipev needs microbatches" in line]
     assert len(lines) == 1 and "parallel: schedule dualpipev on pp=2 with 1 micro-batches" in lines[0], bad.stderr
     assert "Traceback" not in bad.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [["model.num_layers=100000"], ["model.hidden_size=1000000"],
+                                       ["train.micro_batch_size=65536", "train.global_batch_size=65536"]],
+                         ids=["layers", "width", "batch"])
+def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, capsys, overrides):
+    start = time.perf_counter()
+    code = main(["--config", TINY, "--set", f"logging.dir={tmp_path / 'run'}", *(x for o in overrides for x in ("--set", o))])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: memory: cpu memory: each process needs at least" in err, err
+    assert time.perf_counter() - start < 30 and not (tmp_path / "run").exists()  # refused before any work
