@@ -40,14 +40,18 @@ def intranode_worst_tokens_overflow(run: Run):
     return group, lambda: group.dispatch(xs, topk, ws, E, num_worst_tokens=T // 2)
 
 
+def _internode_group(run: Run, timeout_cycles: int) -> EmulatedInternodeGroup:
+    """2 x 2 ranks with small rings."""
+    config = InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=8, rdma_chunk=2, rdma_capacity=12)
+    rdma, nvl = config.buffer_size_hints(2, 2, 512, 4)
+    return EmulatedInternodeGroup(2, 2, rdma, nvl, config, timeout_cycles=timeout_cycles, timeout_s=20.0,
+                                  **run.group_kwargs())
+
+
 def internode_stall(run: Run):
     """2 x 2 ranks, rank 1's blocks exit at once."""
-    nodes, gpus, E, T = 2, 2, 16, 64
-    config = InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=8, rdma_chunk=2, rdma_capacity=12)
-    rdma, nvl = config.buffer_size_hints(nodes, gpus, 512, 4)
-    group = EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=200_000_000, timeout_s=20.0,
-                                   **run.group_kwargs())
-    R = nodes * gpus
+    R, E, T = 4, 16, 64
+    group = _internode_group(run, 200_000_000)
     xs, topk = payload("random", R, T, 256, torch.bfloat16, seed=1, device=run.device), routing(
         "random", R, T, E, 4, seed=1, device=run.device)
     ws = weights(R, T, 4, 1, device=run.device)
@@ -56,12 +60,8 @@ def internode_stall(run: Run):
 
 def internode_worst_tokens_overflow(run: Run):
     """2 x 2 ranks, every token to the last rank, num_worst_tokens half of what it receives: code 2."""
-    nodes, gpus, E, T = 2, 2, 16, 64
-    config = InternodeConfig(num_sms=4, nvl_chunk=2, nvl_capacity=8, rdma_chunk=2, rdma_capacity=12)
-    rdma, nvl = config.buffer_size_hints(nodes, gpus, 512, 4)
-    group = EmulatedInternodeGroup(nodes, gpus, rdma, nvl, config, timeout_cycles=2_000_000_000, timeout_s=20.0,
-                                   **run.group_kwargs())
-    R = nodes * gpus
+    R, E, T = 4, 16, 64
+    group = _internode_group(run, 2_000_000_000)
     topk = routing("all_to_one_rank", R, T, E, 4, seed=2, device=run.device)
     xs, ws = payload("random", R, T, 256, torch.bfloat16, seed=2, device=run.device), weights(R, T, 4, 2, device=run.device)
     return group, lambda: group.dispatch(xs, topk, ws, E, num_worst_tokens=T // 2)

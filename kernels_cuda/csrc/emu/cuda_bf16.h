@@ -1,7 +1,7 @@
 // bfloat16 for the CPU emulation, bit-exact with CUDA's conversions (round to nearest even; NaN -> 0x7fff).
 #pragma once
+#include <bit>
 #include <cstdint>
-#include <cstring>
 
 #include "cuda_runtime.h"
 
@@ -13,15 +13,11 @@ struct __nv_bfloat162 {
 };
 
 inline float __bfloat162float(__nv_bfloat16 value) {
-    const uint32_t word = static_cast<uint32_t>(value.bits) << 16;
-    float f;
-    std::memcpy(&f, &word, 4);
-    return f;
+    return std::bit_cast<float>(static_cast<uint32_t>(value.bits) << 16);
 }
 
 inline __nv_bfloat16 __float2bfloat16_rn(float value) {
-    uint32_t word;
-    std::memcpy(&word, &value, 4);
+    uint32_t word = std::bit_cast<uint32_t>(value);
     if ((word & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{0x7fff};
     word += 0x7fffu + ((word >> 16) & 1u);
     return __nv_bfloat16{static_cast<uint16_t>(word >> 16)};

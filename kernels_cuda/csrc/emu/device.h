@@ -4,6 +4,7 @@
 // ep_ptx.cuh / ep_diag.cuh, which call the emulator the same way.
 #pragma once
 #include <atomic>
+#include <bit>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -44,16 +45,8 @@ inline float max(float a, float b) { return a > b ? a : b; }
 
 inline int __ffs(int value) { return __builtin_ffs(value); }
 inline int __popc(unsigned value) { return __builtin_popcount(value); }
-inline float __int_as_float(int value) {
-    float f;
-    std::memcpy(&f, &value, 4);
-    return f;
-}
-inline int __float_as_int(float value) {
-    int i;
-    std::memcpy(&i, &value, 4);
-    return i;
-}
+inline float __int_as_float(int value) { return std::bit_cast<float>(value); }
+inline int __float_as_int(float value) { return std::bit_cast<int>(value); }
 
 namespace ep_emu {
 template <typename T>
