@@ -265,8 +265,7 @@ def test_launcher_refuses_a_pipeline_split_the_trainer_cannot_run_before_startin
                                        ["train.micro_batch_size=65536", "train.global_batch_size=65536"]],
                          ids=["layers", "width", "batch"])
 def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, capsys, overrides):
-    start = time.perf_counter()
     code = main(["--config", TINY, "--set", f"logging.dir={tmp_path / 'run'}", *(x for o in overrides for x in ("--set", o))])
     err = capsys.readouterr().err
     assert code == 2 and "error: memory: cpu memory: each process needs at least" in err, err
-    assert time.perf_counter() - start < 30 and not (tmp_path / "run").exists()  # refused before any work
+    assert not (tmp_path / "run").exists()  # refused before any work: no run directory, no model
