@@ -31,7 +31,7 @@ CSRC = PACKAGE_DIR / "csrc"
 EMU = CSRC / "emu"
 MODULE_NAME = "_C_cpu"
 HOST_FILES = ("host/bindings.cpp", "host/internode_runtime.cpp")  # relative to csrc/
-EMULATOR_FILES = ("emu/emulator.cpp", "emu/fiber.cpp")
+EMULATOR_FILES = ("emu/emulator.cpp", "emu/fiber.cpp", "emu/memory.cpp")
 COMMON_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-fno-strict-aliasing", "-DEP_CPU_EMULATION", f"-I{EMU}", f"-I{CSRC}", "-Wall",
                 "-Wno-unknown-pragmas", "-Wno-sign-compare"]
 KERNEL_FLAGS = ["-x", "c++", "-include", str(EMU / "device.h")]

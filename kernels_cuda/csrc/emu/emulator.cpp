@@ -1,9 +1,12 @@
 // The CPU emulation of the CUDA device (see emulator.h for what it does and checks).
 #include "emulator.h"
 
+#include <sched.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -45,6 +48,9 @@ constexpr int kSpinSites = 4;                    // spin points a fiber remember
 constexpr uint64_t kMaxSteps = 1ULL << 34;       // livelock guard
 constexpr uint64_t kMaxStepsAfterDeadlock = 1ULL << 26;
 constexpr size_t kMaxPrintedLines = 4096;
+constexpr long long kCyclesPerNs = 2;                // the wall clock of a launch with peers in other processes
+constexpr int kYieldsBeforeSleeping = 64;            // ... rounds of all-spinning fibers before it sleeps
+constexpr long kIdleSleepNs = 20000;
 
 enum class State : uint8_t { kRunnable, kBlocked, kExited, kTrapped };
 enum class Wait : uint8_t { kNone, kCollective, kBarrier, kParked };
@@ -197,6 +203,9 @@ struct Launch {
     std::string kernel;
     Schedule schedule;
     uint64_t index = 0;
+    bool cross_process = false;  // Stream::peers_in_other_processes
+    std::chrono::steady_clock::time_point started;
+    int idle_rounds = 0;         // consecutive rounds in which every runnable fiber spun (cross_process)
     Dim3 block_dim{}, grid_dim{};
     void (*body)(const void*) = nullptr;
     const void* args = nullptr;
@@ -336,7 +345,10 @@ struct Launch {
     // --- deadlock detection --------------------------------------------------------------------------
     bool counted(const Fiber* f) const { return f->counted_epoch == epoch && stuck_epoch == epoch; }
 
-    void note_change() { ++epoch; }
+    void note_change() {
+        ++epoch;
+        idle_rounds = 0;
+    }
 
     // `f` is at the spin point `site`. It counts as stuck once it comes back to a point it passed in
     // this epoch: it went around its wait loop, so its loads since the last change saw no progress.
@@ -369,12 +381,34 @@ struct Launch {
             ++stuck_count;
         }
         if (stuck_count < static_cast<int>(runnable.size())) return;
+        if (cross_process) {  // they wait for another process: give it the core
+            wait_for_peers();
+            return;
+        }
         if (probe_epoch != epoch) {  // every runnable fiber spins: one more full round to be sure
             probe_epoch = ++epoch;
             return;
         }
         pending_expire = true;
         pending_step = steps;
+    }
+
+    // Every runnable fiber went around its wait loop without news: yield the OS thread, and after many
+    // such rounds sleep briefly (peers may be descheduled for a while on few cores). The next round
+    // counts afresh.
+    void wait_for_peers() {
+        ++epoch;
+        if (++idle_rounds < kYieldsBeforeSleeping) {
+            sched_yield();
+            return;
+        }
+        const timespec pause{0, kIdleSleepNs};
+        ::nanosleep(&pause, nullptr);
+    }
+
+    long long wall_cycles() const {
+        const auto elapsed = std::chrono::steady_clock::now() - started;
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count() * kCyclesPerNs;
     }
 
     // At a clock read while a deadlock's expiry is pending: wait there until every runnable fiber does.
@@ -504,7 +538,7 @@ namespace {
 void yield_at(Event event, const void* site) {
     Launch& L = launch_state();
     Fiber* f = L.current;
-    if (++L.steps > kMaxSteps) L.fail(cudaErrorLaunchTimeout, "no end after " + std::to_string(kMaxSteps) + " steps (livelock?)");
+    if (++L.steps > kMaxSteps && !L.cross_process) L.fail(cudaErrorLaunchTimeout, "no end after " + std::to_string(kMaxSteps) + " steps (livelock?)");
     const bool spin = event == Event::kAcquire || event == Event::kClock || event == Event::kSleep;
     if (spin) {
         L.require_converged(f, "spins");
@@ -531,6 +565,7 @@ long long clock64() {
     yield_at(Event::kClock, __builtin_return_address(0));
     Launch& L = launch_state();
     Fiber* f = L.current;
+    if (L.cross_process) return f->clock = L.wall_cycles();
     if (L.pending_expire && !f->expired) L.park(f);
     f->clock += f->expired ? kExpiredJump : kCyclesPerClockRead;
     return f->clock;
@@ -540,8 +575,9 @@ void nanosleep(unsigned ns) {
     yield_at(Event::kSleep, __builtin_return_address(0));
     Launch& L = launch_state();
     Fiber* f = L.current;
+    if (L.cross_process) return;  // the wall clock moves on by itself
     if (L.pending_expire && !f->expired) L.park(f);
-    f->clock += f->expired ? kExpiredJump : 2LL * ns;  // 2 cycles per ns
+    f->clock += f->expired ? kExpiredJump : kCyclesPerNs * ns;
 }
 
 void trap() {
@@ -702,6 +738,7 @@ void* block_shared(const char* site, size_t bytes, size_t alignment) {
 }
 
 const std::string& last_report() { return last_failure; }
+void set_last_report(const std::string& text) { last_failure = text; }
 
 int launch(const char* launcher, int blocks, int threads, Stream* stream, bool cooperative, void (*body)(const void*),
            const void* args) {
@@ -709,6 +746,8 @@ int launch(const char* launcher, int blocks, int threads, Stream* stream, bool c
     L.kernel = kernel_name(launcher);
     L.schedule = stream != nullptr ? stream->schedule : Schedule{};
     L.index = stream != nullptr ? stream->launches++ : 0;
+    L.cross_process = stream != nullptr && stream->peers_in_other_processes;
+    L.started = std::chrono::steady_clock::now();
     L.block_dim = Dim3{static_cast<unsigned>(threads), 1, 1};
     L.grid_dim = Dim3{static_cast<unsigned>(blocks), 1, 1};
     L.body = body;

@@ -38,9 +38,17 @@ struct Schedule {
 
 // The emulated stream (cudaStream_t of the emulation): the schedule its launches run under, and a
 // launch counter so that each launch draws its own interleaving from (seed, launch index).
+//
+// `peers_in_other_processes`: the launch is one rank of a group whose other ranks run their own
+// launches in other processes, on shared memory (per-process buffers). A fiber may then wait for a
+// process that has not been scheduled, so spinning is not a deadlock: when every runnable fiber
+// spins, the OS thread yields the core (sched_yield, then short sleeps) instead, and clock64 reads
+// wall-clock time (2 cycles per ns), so the kernels' spin budgets are real timeouts. A wait inside
+// the process (every live fiber at a barrier or collective) still fails the launch at once.
 struct Stream {
     Schedule schedule;
     uint64_t launches = 0;
+    bool peers_in_other_processes = false;
 };
 
 // What a fiber does at a switch point; the scheduler and the checks above read it.
@@ -80,7 +88,8 @@ struct Dim3 {
 int launch(const char* launcher, int blocks, int threads, Stream* stream, bool cooperative,
            void (*body)(const void*), const void* args);
 
-// The report of this OS thread's last failed launch (kernel, seed, what went wrong).
+// The report of this OS thread's last failed launch (kernel, seed, what went wrong) or memory call.
 const std::string& last_report();
+void set_last_report(const std::string& text);
 
 }  // namespace ep_emu

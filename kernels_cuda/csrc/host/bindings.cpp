@@ -58,6 +58,7 @@ class Runtime {
             for (int r = 0; r < num_ranks; ++r) peers_[r] = static_cast<uint8_t*>(base_) + r * num_bytes;
         } else {
             peers_[rank] = static_cast<uint8_t*>(base_);
+            stream_.set_peers_in_other_processes();
         }
         check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&recv_counter_), sizeof(int) * ep::kMaxRanks, cudaHostAllocMapped),
                    "cudaHostAlloc(counters)");
@@ -74,15 +75,29 @@ class Runtime {
     }
 
     ~Runtime() {
-        for (int r = 0; r < num_ranks_; ++r)
-            if (!emulated_ && r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
-        cudaFree(base_);
+        destroy();
         cudaFreeHost(recv_counter_);
         cudaFreeHost(recv_expert_counter_);
         cudaFreeHost(error_);
     }
 
-    py::bytes ipc_handle() const { return ipc_handle_of(base_); }
+    // Unmaps the peers' buffers and frees this rank's (collective: the caller synchronises the ranks
+    // first); the destructor calls it when the caller did not. Later ops fail naming the unmapped peer.
+    void destroy() {
+        if (base_ == nullptr) return;
+        cudaDeviceSynchronize();
+        for (int r = 0; r < num_ranks_; ++r) {
+            if (!emulated_ && r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
+            peers_[r] = nullptr;
+        }
+        cudaFree(base_);
+        base_ = nullptr;
+    }
+
+    py::bytes ipc_handle() const {
+        TORCH_CHECK(base_ != nullptr, "kernels_cuda: the buffer was destroyed");
+        return ipc_handle_of(base_);
+    }
 
     void open_ipc_handles(const std::vector<py::bytes>& handles) {
         TORCH_CHECK(!emulated_, "kernels_cuda: the emulated back end has no IPC peers");
@@ -260,7 +275,8 @@ class Runtime {
     uint8_t* const* peers_for(int rank) const {
         TORCH_CHECK(emulated_ || rank == rank_, "kernels_cuda: an NVLINK buffer only launches its own rank");
         for (int r = 0; r < num_ranks_; ++r)
-            TORCH_CHECK(peers_[r] != nullptr, "kernels_cuda: peer ", r, " not mapped (open_ipc_handles missing?)");
+            TORCH_CHECK(peers_[r] != nullptr, "kernels_cuda: the buffer of rank ", r,
+                        " is not mapped here (open_ipc_handles not called, or the buffer was destroyed)");
         return peers_;
     }
 
@@ -312,6 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("get_dispatch_layout", &Runtime::get_dispatch_layout)
         .def("ipc_handle", &Runtime::ipc_handle)
         .def("open_ipc_handles", &Runtime::open_ipc_handles)
+        .def("destroy", &Runtime::destroy)
         .def("notify_dispatch", &Runtime::notify_dispatch)
         .def("wait_recv_counts", &Runtime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
         .def("cached_notify", &Runtime::cached_notify)

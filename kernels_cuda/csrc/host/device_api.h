@@ -41,6 +41,9 @@ class LaunchStream {
         stream_.launches = 0;
     }
 
+    // This stream launches one rank of a group whose other ranks run in other processes (emulator.h).
+    void set_peers_in_other_processes() { stream_.peers_in_other_processes = true; }
+
    private:
     ep_emu::Stream stream_;
 };
@@ -58,6 +61,8 @@ constexpr const char* kLaunchDevice = "GPU";
 class LaunchStream {
    public:
     cudaStream_t get() const { return c10::cuda::getCurrentCUDAStream(); }
+    // GPUs run every process's kernels at once: nothing to set (the emulation's counterpart matters).
+    void set_peers_in_other_processes() {}
 };
 
 #endif

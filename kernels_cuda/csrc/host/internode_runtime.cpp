@@ -394,6 +394,7 @@ class ProcessInternodeRuntime : public InternodeRuntime {
         TORCH_CHECK(rank >= 0, "kernels_cuda: bad rank ", rank);
         nvl_memory_ = zeroed_device(nvl_bytes, "cudaMalloc(NVLink region)");
         nvl_[rank] = static_cast<uint8_t*>(nvl_memory_.get());
+        launch_stream().set_peers_in_other_processes();
     }
 
     virtual py::bytes rdma_ipc_handle() const { return py::bytes(); }
