@@ -4,8 +4,8 @@ Two extensions may be built from csrc/: `kernels_cuda._C` (CUDA: `MOE_TRAIN_BUIL
 --no-build-isolation -e .` on a machine with CUDA) and `kernels_cuda._C_cpu` (the CPU emulation:
 `python -m kernels_cuda.build --device cpu`, built by the test suite when missing). `is_built(device)`
 / `build_status()` say which load here; `extension(device)` returns one or raises `KernelsNotBuilt`
-with the reason. `Buffer` (one rank per process, NVLink peers) and `InternodeBuffer` (one rank per
-process across nodes) need the CUDA build; `EmulatedGroup` (every rank in this process) and
+with the reason. `Buffer` (one rank per process: the intranode kernels on one node, the two-hop
+internode kernels across nodes, as deep_ep.Buffer), `EmulatedGroup` (every rank in this process) and
 `EmulatedInternodeGroup` (nodes x GPUs likewise, two-hop kernels) run on either device, with a
 `Schedule` for the emulation's fiber scheduler. Nothing here needs CUDA to import; loading an
 extension imports torch first (it links against torch's libraries).
@@ -53,6 +53,12 @@ def is_built(device: str = "cuda") -> bool:
     return _load(device)[0] is not None
 
 
+def build_problem(device: str) -> str | None:
+    """Why the extension for `device` does not load here, with the command that builds it (None: it loads)."""
+    module, why = _load(device)
+    return None if module is not None else f"kernels_cuda for {device} is {why}"
+
+
 def build_status() -> str:
     """'built', 'built (cpu emulation)', 'built (cuda and cpu emulation)', or 'not built (<why>); <how>'."""
     cuda, cpu = is_built("cuda"), is_built("cpu")
@@ -67,10 +73,10 @@ def extension(device: str = "cuda") -> object:
     """The extension module for `device` ('cuda' or 'cpu'), or KernelsNotBuilt with the reason."""
     if device not in DEVICES:
         raise ValueError(f"kernels_cuda: device must be one of {', '.join(DEVICES)}, got {device!r}")
-    module, why = _load(device)
-    if module is None:
-        raise KernelsNotBuilt(f"kernels_cuda for {device} is {why}")
-    return module
+    problem = build_problem(device)
+    if problem is not None:
+        raise KernelsNotBuilt(problem)
+    return _load(device)[0]
 
 
 def require_built() -> object:
@@ -87,9 +93,9 @@ def default_device() -> str:
 
 from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs extension)
 from kernels_cuda.emulation import Schedule  # noqa: E402
-from kernels_cuda.internode import EmulatedInternodeGroup, InternodeBuffer, InternodeHandle  # noqa: E402
+from kernels_cuda.internode import EmulatedInternodeGroup, InternodeHandle  # noqa: E402
 from kernels_cuda.internode_config import InternodeConfig  # noqa: E402
 
 __all__ = ["Buffer", "Config", "DEVICES", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle",
-           "InternodeBuffer", "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "Schedule", "build_status",
+           "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "Schedule", "build_problem", "build_status",
            "default_device", "extension", "is_built", "require_built"]

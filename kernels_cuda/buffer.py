@@ -1,30 +1,38 @@
 """DeepEP-style Python API over kernels_cuda's extensions.
 
-`Buffer(group, num_nvl_bytes)`: one rank per process, peers reached over NVLink through CUDA IPC
-handles exchanged with torch.distributed (`get_dispatch_layout`, `dispatch`, `combine`, handles,
-events, as deep_ep.Buffer's intranode path). `EmulatedGroup(num_ranks, num_nvl_bytes)`: every rank
-in this process on one GPU, or on the CPU emulation (`device="cpu"`, with a `Schedule`), all ranks'
-buffers in one allocation; the same calls take and return one entry per rank, and one kernel launch
-covers all ranks.
+`Buffer(group, num_nvl_bytes, num_rdma_bytes=0)`: this process's rank of a torch.distributed group,
+with deep_ep.Buffer's API (`get_dispatch_layout`, `dispatch`, `combine`, handles, events, `destroy`).
+It takes the intranode path when the group is one node and the two-hop internode path when it spans
+nodes (`ranks_per_node`: by default the ranks on this machine; simulated nodes pass a smaller one).
+Each rank's regions are mapped by its peers: on a GPU through CUDA IPC (and NVSHMEM for the RDMA hop
+between machines), on the CPU emulation through shared memory between the processes of one machine
+(the handles travel over torch.distributed either way).
 
-A `Buffer` runs its ops on its own communication stream with DeepEP's `previous_event` /
-`async_finish` / `allocate_on_comm_stream` semantics (`kernels_cuda.streams`); an `EmulatedGroup`
-runs on the caller's stream.
+`EmulatedGroup(num_ranks, num_nvl_bytes)`: every rank in this process on one GPU, or on the CPU
+emulation (`device="cpu"`, with a `Schedule`), all ranks' buffers in one allocation; the same calls
+take and return one entry per rank, and one kernel launch covers all ranks
+(`kernels_cuda.internode.EmulatedInternodeGroup` likewise across nodes).
+
+On a GPU a `Buffer` runs its ops on its own communication stream with DeepEP's `previous_event` /
+`async_finish` / `allocate_on_comm_stream` semantics (`kernels_cuda.streams`); on the CPU, and in an
+emulated group, everything runs on the caller's stream and is finished when the call returns.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import check_combine, check_dispatch
-from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
-
-Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
+from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
+from kernels_cuda.internode_config import InternodeConfig
+from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
+                                  check_stream_args)
 
 
 @dataclass
@@ -41,8 +49,9 @@ class Handle:
     config: Config
 
 
-class _Engine:
-    """Per-rank lists of tensors -> kernel launches; shared by Buffer and EmulatedGroup."""
+class IntranodeEngine:
+    """Per-rank lists of tensors -> intranode kernel launches (the emulated group launches all ranks, a
+    buffer its own). The same methods as `InternodeEngine`, so `Buffer` drives either."""
 
     def __init__(self, runtime: Any, num_ranks: int, config: Config, timeout_cycles: int, timeout_s: float,
                  device: str, sms: int) -> None:
@@ -50,14 +59,13 @@ class _Engine:
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
         self.device, self.sms = device, sms
 
-    def layout(self, topk_idx: torch.Tensor, num_experts: int,
-               op: CurrentStreamOp = ON_CURRENT_STREAM) -> tuple[torch.Tensor, ...]:
-        if topk_idx.dtype != torch.int64:
-            raise ValueError(f"kernels_cuda get_dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
+    def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
+        """(per rank, None (one node: no per-node counts, as DeepEP), per expert, is_token_in_rank)."""
+        check_layout_input(topk_idx)
         with op.launching():  # the extension allocates its outputs where it launches
             per_rank, _per_node, per_expert, in_rank = self.runtime.get_dispatch_layout(
                 topk_idx.contiguous(), num_experts, self.num_ranks, self.num_ranks)
-        return per_rank, per_expert, in_rank
+        return per_rank, None, per_expert, in_rank
 
     def _check(self, config: Config, hidden_bytes: int, num_topk: int, num_experts: int, launch_ranks: int) -> None:
         problem = config.validate(self.num_ranks, hidden_bytes, num_topk, max(1, num_experts // self.num_ranks))
@@ -68,10 +76,11 @@ class _Engine:
                        "use fewer SMs per rank (Config(num_sms=...)) or fewer ranks per launch")
 
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
-                 topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[tuple[torch.Tensor, ...] | None],
+                 topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],
                  handles: Sequence[Handle | None], num_experts: int, expert_alignment: int, num_worst_tokens: int,
                  config: Config | None, stalled_rank: int = -1, op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple]:
-        """Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
+        """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle).
+        Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
         config = config or self.config
         cached = handles[0] is not None
         payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
@@ -92,9 +101,11 @@ class _Engine:
                     for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
             received = [(h.num_recv_tokens, []) for h in handles]
         else:
+            if any(layout is None for layout in layouts):
+                raise ValueError("kernels_cuda: a fresh dispatch needs the layout of every rank")
             with op.launching():  # the kernels index these densely: int32 counts, contiguous bool [N, R]
-                layouts = [(lay[0].int().contiguous(), lay[1].int().contiguous(), lay[2].bool().contiguous())
-                           for lay in layouts]
+                layouts = [(per_rank.int().contiguous(), per_expert.int().contiguous(), in_rank.bool().contiguous())
+                           for per_rank, _per_node, per_expert, in_rank in layouts]
             with op.allocating():
                 prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
                            torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
@@ -154,6 +165,7 @@ class _Engine:
     def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[Handle],
                 topk_weights: Sequence[torch.Tensor | None], config: Config | None, stalled_rank: int = -1,
                 op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per rank: (combined_x, combined_topk_weights): unweighted sums over the ranks each token went to."""
         config = config or handles[0].config
         for r, y, h, w in zip(ranks, ys, handles, topk_weights):
             check_combine(self.device, y, h.num_recv_tokens, w, r)
@@ -185,67 +197,182 @@ class _Engine:
                 "float32": y0.dtype == torch.float32})
         return results
 
+    def error_record(self) -> dict[str, Any]:
+        """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
+        return C.error_record(self.runtime.error_record())
+
 
 class Buffer:
-    """One EP rank per process over NVLink (DeepEP's intranode Buffer API)."""
+    """This process's EP rank of `group`, with deep_ep.Buffer's API; construction is collective.
 
-    def __init__(self, group: Any, num_nvl_bytes: int, config: Config | None = None,
-                 timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0) -> None:
+    One node (`ranks_per_node` = the group's size): the intranode kernels over `num_nvl_bytes` per rank
+    (`config` a `Config`). Several nodes: the two-hop internode kernels over an RDMA region of
+    `num_rdma_bytes` and an NVLink region of `num_nvl_bytes` per rank (`config` an `InternodeConfig`),
+    ranks numbered node * ranks_per_node + GPU. The RDMA hop (`rdma_transport`) goes through CUDA IPC
+    when every rank runs on one machine ('ipc': simulated nodes, or processes sharing a GPU), or through
+    NVSHMEM ('nvshmem': EP rank 0 makes the unique id; a process's first buffer initialises NVSHMEM,
+    PE = EP rank, and later buffers reuse that world); 'auto' picks by host names. On the CPU emulation
+    (`device="cpu"`, the default without a GPU) the regions are shared memory between the processes of
+    one machine and `schedule` sets this rank's fiber scheduler.
+    """
+
+    def __init__(self, group: Any, num_nvl_bytes: int, num_rdma_bytes: int = 0, *, ranks_per_node: int | None = None,
+                 config: Config | InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
+                 timeout_s: float = 100.0, rdma_transport: str = "auto", device: str | None = None,
+                 schedule: Schedule | None = None) -> None:
         import kernels_cuda
         import torch.distributed as dist
 
-        ext = kernels_cuda.require_built()
+        self.device = resolve_device(device)
+        ext = kernels_cuda.extension(self.device)
         self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
-        self.runtime = ext.Runtime(self.rank, self.num_ranks, int(num_nvl_bytes), False)
-        handles: list = [None] * self.num_ranks
-        dist.all_gather_object(handles, self.runtime.ipc_handle(), group=group)
+        self.ranks_per_node = ranks_on_this_machine(group) if ranks_per_node is None else ranks_per_node
+        if self.ranks_per_node < 1 or self.num_ranks % self.ranks_per_node:
+            raise ValueError(f"kernels_cuda Buffer: a group of {self.num_ranks} ranks does not split into nodes of "
+                             f"ranks_per_node={self.ranks_per_node}")
+        self.num_nodes = self.num_ranks // self.ranks_per_node
+        if self.is_internode:
+            if num_rdma_bytes <= 0:
+                raise ValueError(f"kernels_cuda Buffer: a group over {self.num_nodes} nodes needs num_rdma_bytes > 0 "
+                                 "(see Buffer.get_buffer_size_hints)")
+            config = config or InternodeConfig.for_nodes(self.num_nodes)
+        else:
+            config = config or Config()
+        want = InternodeConfig if self.is_internode else Config
+        if not isinstance(config, want):
+            raise TypeError(f"kernels_cuda Buffer: a group over {self.num_nodes} node(s) takes a {want.__name__}, "
+                            f"got {type(config).__name__}")
+        if self.is_internode:
+            self.rdma_transport = check_rdma_transport(rdma_transport, group, ext, self.device)
+            self.runtime = internode_runtime(ext, self.rdma_transport, group, self.rank, self.num_nodes,
+                                             self.ranks_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
+            handles: list = [None] * self.num_ranks
+            dist.all_gather_object(handles, self.runtime.ipc_handles(), group=group)
+            self.engine: IntranodeEngine | InternodeEngine = InternodeEngine(
+                self.runtime, self.num_nodes, self.ranks_per_node, config, timeout_cycles, timeout_s, self.device,
+                device_sms(self.device, schedule))
+        else:
+            self.rdma_transport = None
+            self.runtime = ext.Runtime(self.rank, self.num_ranks, int(num_nvl_bytes), False)
+            handles = [None] * self.num_ranks
+            dist.all_gather_object(handles, self.runtime.ipc_handle(), group=group)
+            self.engine = IntranodeEngine(self.runtime, self.num_ranks, config, timeout_cycles, timeout_s,
+                                          self.device, device_sms(self.device, schedule))
         self.runtime.open_ipc_handles(handles)
-        dist.barrier(group=group)
-        self.engine = _Engine(self.runtime, self.num_ranks, config or Config(), timeout_cycles, timeout_s, "cuda",
-                              device_sms("cuda", None))
-        self.comm_stream = torch.cuda.Stream()
+        dist.barrier(group=group)  # every peer mapped this rank's regions
+        apply_schedule(self.runtime, self.device, schedule)
+        self.comm_stream = torch.cuda.Stream() if self.device == "cuda" else None
+
+    @property
+    def is_internode(self) -> bool:
+        return self.num_nodes > 1
 
     @staticmethod
-    def get_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, num_topk: int, config: Config | None = None) -> int:
-        return (config or Config()).buffer_size_hint(num_ranks, hidden_bytes, num_topk)
+    def get_buffer_size_hints(num_nodes: int, gpus_per_node: int, hidden_bytes: int, num_topk: int,
+                              config: Config | InternodeConfig | None = None) -> tuple[int, int]:
+        """(num_nvl_bytes, num_rdma_bytes) per rank for rows of `hidden_bytes` (0 RDMA bytes on one node)."""
+        if num_nodes == 1:
+            return (config or Config()).buffer_size_hint(gpus_per_node, hidden_bytes, num_topk), 0
+        config = config or InternodeConfig.for_nodes(num_nodes)
+        rdma, nvl = config.buffer_size_hints(num_nodes, gpus_per_node, hidden_bytes, num_topk)
+        return nvl, rdma
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event on the current stream, to pass as `previous_event`."""
+        """An event on the current stream, to pass as `previous_event` (None on the CPU)."""
         return capture()
 
-    def _op(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> CommStreamOp:
+    def _op(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> CurrentStreamOp:
+        check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        if self.comm_stream is None:
+            return ON_CURRENT_STREAM
         return CommStreamOp(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
+
+    @contextlib.contextmanager
+    def _reporting(self) -> Iterator[None]:
+        """A failed launch's error also says, in words, what the device recorded (role, peer, head, tail)."""
+        try:
+            yield
+        except RuntimeError as error:
+            record = self.error_record()
+            if record["code"] == 0:
+                raise
+            raise RuntimeError(f"kernels_cuda Buffer (rank {self.rank}): {C.describe_error(record)}\n{error}") from error
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """(num_tokens_per_rank, None (no RDMA ranks intranode), num_tokens_per_expert, is_token_in_rank, event)."""
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank (None on one node), num_tokens_per_expert,
+        is_token_in_rank, event)."""
         op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        layout = self.engine.layout(topk_idx, num_experts, op)
-        return layout[0], None, layout[1], layout[2], op.finish(topk_idx, layout)
+        with self._reporting():
+            layout = self.engine.layout(topk_idx, num_experts, op)
+        return (*layout, op.finish(topk_idx, layout))
 
-    def dispatch(self, x: Payload, handle: Handle | None = None, num_tokens_per_rank: torch.Tensor | None = None,
-                 num_tokens_per_rdma_rank: torch.Tensor | None = None, is_token_in_rank: torch.Tensor | None = None,
-                 num_tokens_per_expert: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None,
-                 topk_weights: torch.Tensor | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
+    def dispatch(self, x: Payload, handle: Handle | InternodeHandle | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | InternodeConfig | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple:
-        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
+        Fresh with the layout of `get_dispatch_layout`, cached with `handle`."""
         op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        num_experts = 0 if num_tokens_per_expert is None else num_tokens_per_expert.numel()
-        layout = None if handle is not None else (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
-        (result,) = self.engine.dispatch([self.rank], [x], [topk_idx], [topk_weights], [layout], [handle],
-                                         num_experts or self.num_ranks, expert_alignment, num_worst_tokens, config,
-                                         op=op)
+        layout = None
+        if handle is None:
+            layout = (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank)
+            needed = {"num_tokens_per_rank": num_tokens_per_rank, "num_tokens_per_expert": num_tokens_per_expert,
+                      "is_token_in_rank": is_token_in_rank}
+            if self.is_internode:
+                needed["num_tokens_per_rdma_rank"] = num_tokens_per_rdma_rank
+            missing = [name for name, value in needed.items() if value is None]
+            if missing:
+                raise ValueError(f"kernels_cuda dispatch (rank {self.rank}): a fresh dispatch needs "
+                                 f"{', '.join(missing)} (from get_dispatch_layout), or a handle")
+        num_experts = self.num_ranks if num_tokens_per_expert is None else num_tokens_per_expert.numel()
+        with self._reporting():
+            (result,) = self.engine.dispatch([self.rank], [x], [topk_idx], [topk_weights], [layout], [handle],
+                                             num_experts, expert_alignment, num_worst_tokens, config, op=op)
         return (*result, op.finish((x, topk_idx, topk_weights, layout, handle), result))
 
-    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None,
-                config: Config | None = None, previous_event: EventOverlap | None = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> tuple:
+    def combine(self, x: torch.Tensor, handle: Handle | InternodeHandle, topk_weights: torch.Tensor | None = None,
+                config: Config | InternodeConfig | None = None, previous_event: EventOverlap | None = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
         """(combined_x, combined_topk_weights, event): unweighted sum over the ranks each token went to."""
         op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config, op=op)
+        with self._reporting():
+            ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config, op=op)
         return combined, weights, op.finish((x, handle, topk_weights), (combined, weights))
+
+    def error_record(self) -> dict[str, Any]:
+        """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
+        return self.engine.error_record()
+
+    def destroy(self) -> None:
+        """Frees this rank's regions and unmaps the peers' now, once no peer uses them (collective over the
+        group; otherwise when the buffer is garbage collected). NVSHMEM itself is finalised at process exit."""
+        import torch.distributed as dist
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        self.runtime.destroy()
+
+
+def ranks_on_this_machine(group: Any) -> int:
+    """How many ranks of `group` share this rank's host (collective): DeepEP's NVLink domain. The ranks of
+    one machine must be consecutive, as a launcher numbers them."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    per_host = hosts.count(hosts[0])
+    if any(hosts[r] != hosts[r // per_host * per_host] for r in range(len(hosts))) or len(hosts) % per_host:
+        raise ValueError(f"kernels_cuda Buffer: the ranks of a machine must be consecutive and the same number on "
+                         f"every machine; hosts by rank: {hosts}")
+    return per_host
 
 
 class EmulatedGroup:
@@ -263,12 +390,13 @@ class EmulatedGroup:
         self.num_ranks = num_ranks
         self.runtime = ext.Runtime(0, num_ranks, int(num_nvl_bytes), True)
         apply_schedule(self.runtime, self.device, schedule)
-        self.engine = _Engine(self.runtime, num_ranks, config or Config(), timeout_cycles, timeout_s, self.device,
-                              device_sms(self.device, schedule))
+        self.engine = IntranodeEngine(self.runtime, num_ranks, config or Config(), timeout_cycles, timeout_s,
+                                      self.device, device_sms(self.device, schedule))
 
     def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
         """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
-        return [self.engine.layout(idx, num_experts) for idx in topk_idx]
+        return [(per_rank, per_expert, in_rank) for per_rank, _, per_expert, in_rank in
+                (self.engine.layout(idx, num_experts) for idx in topk_idx)]
 
     def dispatch(self, xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor] | None = None,
                  topk_weights: Sequence[torch.Tensor] | None = None, num_experts: int | None = None,
@@ -279,7 +407,7 @@ class EmulatedGroup:
         if handles is None:
             if topk_idx is None or num_experts is None:
                 raise ValueError("dispatch without handles needs topk_idx and num_experts")
-            layouts = self.get_dispatch_layout(topk_idx, num_experts)
+            layouts = [self.engine.layout(idx, num_experts) for idx in topk_idx]
         else:
             layouts = [None] * R
             num_experts = num_experts or R
@@ -294,5 +422,4 @@ class EmulatedGroup:
                                    config, stalled_rank)
 
     def error_record(self) -> dict[str, Any]:
-        """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
-        return C.error_record(self.runtime.error_record())
+        return self.engine.error_record()

@@ -53,3 +53,15 @@ def error_record(values: list[int]) -> dict:
     the role's name."""
     record = dict(zip(ERROR_KEYS, values))
     return {**record, "role_name": ROLES.get(record["role"], "none")}
+
+
+def describe_error(record: dict) -> str:
+    """One line for a user: what the first failing device role waited for (the record of `error_record`)."""
+    if record["code"] == 0:
+        return "no device error was recorded"
+    if record["code"] == 2:
+        return (f"num_worst_tokens too small: rank {record['rank']} receives {record['tail']} rows (or RDMA records), "
+                f"more than num_worst_tokens={record['expected']}")
+    return (f"device timeout: role {record['role_name']} of rank {record['rank']} (channel {record['channel']}) "
+            f"waited for peer {record['peer']}: head={record['head']} tail={record['tail']} "
+            f"expected={record['expected']} (a peer died, stalled, or ran other ops)")

@@ -9,6 +9,16 @@ import torch
 
 from kernels_cuda import constants as C
 
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
+# (num_tokens_per_rank, num_tokens_per_rdma_rank (per node; None on one node), num_tokens_per_expert, is_token_in_rank)
+Layout = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
+
+
+def check_layout_input(topk_idx: torch.Tensor) -> None:
+    if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
+        raise ValueError(f"kernels_cuda get_dispatch_layout: topk_idx must be int64 [num_tokens, num_topk], got "
+                         f"{topk_idx.dtype} of shape {list(topk_idx.shape)}")
+
 
 def check_dispatch(device: str, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                    topk_weights: torch.Tensor | None, expert_alignment: int, rank: int) -> None:

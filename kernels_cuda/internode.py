@@ -2,16 +2,16 @@
 rank = node * gpus_per_node + gpu, each with an RDMA region and an NVLink region (DeepEP's
 num_rdma_bytes / num_nvl_bytes).
 
+- `InternodeEngine`: per-rank lists of tensors -> the internode kernels' per-rank dicts; `Buffer`
+  (kernels_cuda.buffer) drives it for a group over several nodes, with its own rank.
 - `EmulatedInternodeGroup`: every rank in this process on one GPU or on the CPU emulation, one kernel
   launch for all ranks; the list API of `EmulatedGroup` (so `kernels_cuda.rank_views` and the `native`
   dispatcher run on it).
-- `InternodeBuffer`: this process's rank of a torch.distributed group spanning nodes, with DeepEP's
-  Buffer API. The NVLink hop goes through CUDA IPC; the RDMA hop through CUDA IPC as well when all
-  ranks share one machine (simulated nodes; tests/gpu runs 2 x 2 ranks as processes on one GPU), or
-  through NVSHMEM across machines (PE = EP rank, one NVSHMEM world per process; kernels_cuda built
-  with NVSHMEM, see kernels_cuda/build.py). The NVSHMEM path is compiled and linked here
-  (`python -m kernels_cuda.compile_check`) but has never run: that needs two or more GPU machines.
-Both turn per-rank lists of tensors into the kernels' per-rank dicts with one `_InternodeEngine`.
+- The per-process runtimes: the NVLink hop through CUDA IPC (shared memory on the CPU emulation); the
+  RDMA hop the same way when all ranks share one machine (simulated nodes), or through NVSHMEM across
+  machines (PE = EP rank, one NVSHMEM world per process; kernels_cuda built with NVSHMEM, see
+  kernels_cuda/build.py). The NVSHMEM path is compiled and linked here (`python -m
+  kernels_cuda.compile_check`) but has never run: that needs two or more GPU machines.
 """
 from __future__ import annotations
 
@@ -23,13 +23,9 @@ import torch
 from kernels_cuda import constants as C
 from kernels_cuda.config import combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import check_combine, check_dispatch
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
 from kernels_cuda.internode_config import InternodeConfig
-from kernels_cuda.streams import ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture
-
-Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-# (num_tokens_per_rank, num_tokens_per_rdma_rank (per node), num_tokens_per_expert, is_token_in_rank)
-Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+from kernels_cuda.streams import ON_CURRENT_STREAM, CurrentStreamOp
 
 
 @dataclass
@@ -55,9 +51,10 @@ _PREFIX_KEYS = ("rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix", "recv
                 "recv_gbl_rank_prefix_sum", "is_token_in_rank")
 
 
-class _InternodeEngine:
+class InternodeEngine:
     """Per-rank lists of tensors -> internode kernel launches (the emulated group launches all ranks, a
-    buffer its own). Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
+    buffer its own). Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`.
+    The same methods as `kernels_cuda.buffer.IntranodeEngine`."""
 
     def __init__(self, runtime: Any, num_nodes: int, gpus_per_node: int, config: InternodeConfig,
                  timeout_cycles: int, timeout_s: float, device: str, sms: int) -> None:
@@ -68,8 +65,7 @@ class _InternodeEngine:
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, per node, per expert, is_token_in_rank) from the layout kernel."""
-        if topk_idx.dtype != torch.int64:
-            raise ValueError(f"kernels_cuda get_dispatch_layout: topk_idx must be int64, got {topk_idx.dtype}")
+        check_layout_input(topk_idx)
         with op.launching():  # the extension allocates its outputs where it launches
             per_rank, per_node, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx.contiguous(), num_experts)
         return per_rank, per_node, per_expert, in_rank
@@ -91,7 +87,7 @@ class _InternodeEngine:
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],
                  handles: Sequence[InternodeHandle | None], num_experts: int, expert_alignment: int,
-                 config: InternodeConfig | None, num_worst_tokens: int = 0, stalled_rank: int = -1,
+                 num_worst_tokens: int, config: InternodeConfig | None, stalled_rank: int = -1,
                  op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple]:
         """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle).
         Fresh with `layouts` (handles None), cached with `handles` (the handle comes back unchanged).
@@ -240,7 +236,7 @@ class EmulatedInternodeGroup:
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.runtime = ext.EmulatedInternodeRuntime(num_nodes, gpus_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
         apply_schedule(self.runtime, self.device, schedule)
-        self.engine = _InternodeEngine(self.runtime, num_nodes, gpus_per_node,
+        self.engine = InternodeEngine(self.runtime, num_nodes, gpus_per_node,
                                        config or InternodeConfig.for_nodes(num_nodes), timeout_cycles, timeout_s,
                                        self.device, device_sms(self.device, schedule))
 
@@ -263,8 +259,8 @@ class EmulatedInternodeGroup:
         else:
             layouts = [None] * R
         return self.engine.dispatch(range(R), xs, topk_idx or [None] * R, topk_weights or [None] * R, layouts,
-                                    handles or [None] * R, num_experts or R, expert_alignment, config,
-                                    num_worst_tokens=num_worst_tokens, stalled_rank=stalled_rank)
+                                    handles or [None] * R, num_experts or R, expert_alignment, num_worst_tokens,
+                                    config, stalled_rank)
 
     def combine(self, ys: Sequence[torch.Tensor], handles: Sequence[InternodeHandle],
                 topk_weights: Sequence[torch.Tensor] | None = None, config: InternodeConfig | None = None,
@@ -280,9 +276,10 @@ class EmulatedInternodeGroup:
 RDMA_TRANSPORTS = ("auto", "ipc", "nvshmem")
 
 
-def _rdma_transport(requested: str, group: Any, ext: Any) -> str:
+def check_rdma_transport(requested: str, group: Any, ext: Any, device: str) -> str:
     """'ipc' or 'nvshmem': 'auto' takes IPC when every rank of `group` runs on this machine (nodes are
-    simulated, or share one box), else NVSHMEM. The decision is collective and the same on every rank."""
+    simulated, or share one box), else NVSHMEM. The decision is collective and the same on every rank.
+    The CPU emulation shares memory between the processes of one machine only."""
     import socket
 
     import torch.distributed as dist
@@ -293,6 +290,10 @@ def _rdma_transport(requested: str, group: Any, ext: Any) -> str:
         hosts: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         requested = "ipc" if len(set(hosts)) == 1 else "nvshmem"
+    if requested == "nvshmem" and device == "cpu":
+        raise ValueError("kernels_cuda on the CPU emulation: per-process buffers share memory between the processes "
+                         "of one machine, but this group spans machines (or rdma_transport='nvshmem' was asked); "
+                         "use dispatcher 'hierarchical'")
     if requested == "nvshmem" and not getattr(ext, "with_nvshmem", False):
         import kernels_cuda
 
@@ -303,106 +304,14 @@ def _rdma_transport(requested: str, group: Any, ext: Any) -> str:
     return requested
 
 
-class InternodeBuffer:
-    """This process's EP rank of `group` (ranks node * ranks_per_node + GPU) with DeepEP's Buffer API.
+def internode_runtime(ext: Any, transport: str, group: Any, rank: int, num_nodes: int, gpus_per_node: int,
+                      rdma_bytes: int, nvl_bytes: int) -> Any:
+    """This rank's per-process internode runtime (collective for NVSHMEM: rank 0's unique id is broadcast)."""
+    import torch.distributed as dist
 
-    Construction is collective over `group`. The NVLink regions are shared inside each node through
-    CUDA IPC. The RDMA hop (`rdma_transport`) goes through CUDA IPC too when every rank runs on one
-    machine ('ipc': simulated nodes, or processes sharing a GPU in tests), or through NVSHMEM
-    ('nvshmem': EP rank 0 makes the unique id; a process's first buffer initialises NVSHMEM with it,
-    PE = EP rank; later buffers reuse that world, and its symmetric heap keeps the size the first one
-    gave NVSHMEM_SYMMETRIC_SIZE unless it was set). 'auto' picks by host names. Streams and events as
-    `kernels_cuda.Buffer`.
-    """
-
-    def __init__(self, group: Any, ranks_per_node: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                 config: InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
-                 timeout_s: float = 100.0, rdma_transport: str = "auto") -> None:
-        import kernels_cuda
-        import torch.distributed as dist
-
-        ext = kernels_cuda.require_built()
-        self.rdma_transport = _rdma_transport(rdma_transport, group, ext)
-        self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
-        if ranks_per_node < 1 or self.num_ranks % ranks_per_node or self.num_ranks // ranks_per_node < 2:
-            raise ValueError(f"kernels_cuda: InternodeBuffer needs 2 or more nodes of ranks_per_node={ranks_per_node} "
-                             f"ranks, got a group of {self.num_ranks}")
-        self.num_nodes, self.ranks_per_node = self.num_ranks // ranks_per_node, ranks_per_node
-        sizes = (self.num_nodes, ranks_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
-        if self.rdma_transport == "ipc":
-            self.runtime = ext.IpcInternodeRuntime(self.rank, *sizes)
-        else:
-            unique_id = [ext.NvshmemInternodeRuntime.unique_id(int(num_rdma_bytes)) if self.rank == 0 else None]
-            dist.broadcast_object_list(unique_id, group=group, group_src=0)
-            self.runtime = ext.NvshmemInternodeRuntime(self.rank, *sizes, unique_id[0])
-        handles: list = [None] * self.num_ranks
-        dist.all_gather_object(handles, self.runtime.ipc_handles(), group=group)
-        self.runtime.open_ipc_handles(handles)
-        dist.barrier(group=group)
-        self.engine = _InternodeEngine(self.runtime, self.num_nodes, ranks_per_node,
-                                       config or InternodeConfig.for_nodes(self.num_nodes), timeout_cycles, timeout_s,
-                                       "cuda", device_sms("cuda", None))
-        self.comm_stream = torch.cuda.Stream()
-
-    @staticmethod
-    def get_buffer_size_hints(num_nodes: int, gpus_per_node: int, hidden_bytes: int, num_topk: int,
-                              config: InternodeConfig | None = None) -> tuple[int, int]:
-        """(num_rdma_bytes, num_nvl_bytes) per rank (`InternodeConfig.buffer_size_hints`)."""
-        config = config or InternodeConfig.for_nodes(num_nodes)
-        return config.buffer_size_hints(num_nodes, gpus_per_node, hidden_bytes, num_topk)
-
-    @staticmethod
-    def capture() -> EventOverlap:
-        """An event on the current stream, to pass as `previous_event`."""
-        return capture()
-
-    def _op(self, previous_event: EventOverlap | None, async_finish: bool,
-            allocate_on_comm_stream: bool) -> CommStreamOp:
-        return CommStreamOp(self.comm_stream, previous_event, async_finish, allocate_on_comm_stream)
-
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event)."""
-        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        layout = self.engine.layout(topk_idx, num_experts, op)
-        return (*layout, op.finish(topk_idx, layout))
-
-    def dispatch(self, x: Payload, handle: InternodeHandle | None = None,
-                 num_tokens_per_rank: torch.Tensor | None = None, num_tokens_per_rdma_rank: torch.Tensor | None = None,
-                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
-                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: InternodeConfig | None = None,
-                 previous_event: EventOverlap | None = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> tuple:
-        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
-        Fresh with the layout of `get_dispatch_layout`, cached with `handle`."""
-        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        layout = None if handle is not None else (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-                                                  is_token_in_rank)
-        if layout is not None and any(t is None for t in layout):
-            raise ValueError("kernels_cuda: a fresh dispatch needs num_tokens_per_rank, num_tokens_per_rdma_rank, "
-                             "num_tokens_per_expert and is_token_in_rank (from get_dispatch_layout)")
-        num_experts = self.num_ranks if num_tokens_per_expert is None else num_tokens_per_expert.numel()
-        (result,) = self.engine.dispatch([self.rank], [x], [topk_idx], [topk_weights], [layout], [handle], num_experts,
-                                         expert_alignment, config, num_worst_tokens=num_worst_tokens, op=op)
-        return (*result, op.finish((x, topk_idx, topk_weights, layout, handle), result))
-
-    def combine(self, x: torch.Tensor, handle: InternodeHandle, topk_weights: torch.Tensor | None = None,
-                config: InternodeConfig | None = None, previous_event: EventOverlap | None = None,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple:
-        """(combined_x, combined_topk_weights, event): unweighted sum over the ranks each token went to."""
-        op = self._op(previous_event, async_finish, allocate_on_comm_stream)
-        ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config, op=op)
-        return combined, weights, op.finish((x, handle, topk_weights), (combined, weights))
-
-    def error_record(self) -> dict[str, Any]:
-        return self.engine.error_record()
-
-    def destroy(self) -> None:
-        """Frees this rank's regions now, once no peer uses them (collective over the group; otherwise
-        when the buffer is garbage collected). NVSHMEM itself is finalised at process exit."""
-        import torch.distributed as dist
-
-        torch.cuda.synchronize()
-        dist.barrier(group=self.group)
-        self.runtime.destroy()
+    sizes = (num_nodes, gpus_per_node, rdma_bytes, nvl_bytes)
+    if transport == "ipc":
+        return ext.IpcInternodeRuntime(rank, *sizes)
+    unique_id = [ext.NvshmemInternodeRuntime.unique_id(rdma_bytes) if rank == 0 else None]
+    dist.broadcast_object_list(unique_id, group=group, group_src=0)
+    return ext.NvshmemInternodeRuntime(rank, *sizes, unique_id[0])

@@ -18,7 +18,7 @@ communication stream waits on that event only, as in DeepEP, and the caller shou
 communication stream: memory the compute stream frees after the event may otherwise be reused for
 the outputs while that work still runs (DeepEP issue #589).
 
-`CurrentStreamOp` is the same interface on the caller's stream (emulated groups, tests).
+`CurrentStreamOp` is the same interface on the caller's stream (the CPU, emulated groups, tests).
 """
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ class EventOverlap:
 
 
 def capture() -> EventOverlap:
-    """An event recorded on the current stream now: pass it as a later op's `previous_event`."""
+    """An event recorded on the current stream now: pass it as a later op's `previous_event` (None
+    without CUDA: on the CPU every op has finished when it returns)."""
+    if not torch.cuda.is_available():
+        return EventOverlap()
     event = torch.cuda.Event()
     event.record()
     return EventOverlap(event)
@@ -66,6 +69,13 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from tensors_in(getattr(value, f.name))
+
+
+def check_stream_args(previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> None:
+    """DeepEP's rule, on every device: outputs on the communication stream need an event and an async finish."""
+    if allocate_on_comm_stream and (previous_event is None or not async_finish):
+        raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True "
+                         "(the caller must order the compute stream's use of the outputs)")
 
 
 class CurrentStreamOp:
@@ -89,9 +99,7 @@ class CommStreamOp(CurrentStreamOp):
 
     def __init__(self, comm: torch.cuda.Stream, previous_event: EventOverlap | None, async_finish: bool,
                  allocate_on_comm_stream: bool) -> None:
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("allocate_on_comm_stream=True needs previous_event and async_finish=True "
-                             "(the caller must order the compute stream's use of the outputs)")
+        check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         self.comm, self.compute = comm, torch.cuda.current_stream()
         self.async_finish, self.allocate_on_comm = async_finish, allocate_on_comm_stream
         self.after_compute = previous_event is None or previous_event.event is None

@@ -295,9 +295,6 @@ def validate(config: Config) -> list[tuple[str, str]]:
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
-    if p.dispatcher == "native" and t.device == "cpu":
-        problems.append(("parallel.dispatcher",
-                         f"'native' runs CUDA kernels, not with train.device=cpu; {NATIVE_ALTERNATIVES}"))
     _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
     for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail",
                 "clip_grad"):

@@ -17,10 +17,15 @@ from moe_train.config import ConfigError, TrainConfig
 COMPILED_REGIONS = (MLA, SwiGLU, RMSNorm)  # train.compile=regions: attention, dense MLP / shared expert, norms
 
 
-def select_device(train: TrainConfig) -> torch.device:
+def device_type(train: TrainConfig) -> str:
+    """'cuda' or 'cpu': `train.device` with auto resolved (a ConfigError for cuda without CUDA)."""
     if train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError([("train.device", "cuda, but CUDA is not available on this machine (use cpu, or auto)")])
-    if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()):
+    return "cuda" if train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def select_device(train: TrainConfig) -> torch.device:
+    if device_type(train) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

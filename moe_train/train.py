@@ -30,11 +30,11 @@ from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
-from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, seed_everything,
-                               select_device)
+from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, device_type,
+                               seed_everything, select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from parallel.data_parallel import GradientSync
-from parallel.dispatch import DispatcherUnavailable, make_dispatcher, native_unavailable
+from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
@@ -59,9 +59,16 @@ def choose_dispatcher(config: Config, topology: Topology | None) -> str:
     in this process (the config alone cannot tell: the same file serves login nodes and GPU nodes)."""
     name = config.parallel.dispatcher
     if name == "native":
-        problem = native_unavailable(across_nodes=topology is not None and topology.ep_nodes > 1)
+        problem = native_unavailable(across_nodes=topology is not None and topology.ep_nodes > 1,
+                                     device=device_type(config.train))
         if problem is not None:
             raise ConfigError([("parallel.dispatcher", f"'native' cannot run here: {problem}; {NATIVE_ALTERNATIVES}")])
+    if name == "deepep":
+        ep, per_node = (1, 1) if topology is None else (topology.ep, topology.ep_ranks_per_node)
+        problem = deepep_unavailable(device_type(config.train), ep, per_node)
+        if problem is not None:
+            raise ConfigError([("parallel.dispatcher", f"'deepep' cannot run here: {problem}; or use 'native', "
+                                                       f"{NATIVE_ALTERNATIVES}")])
     if name != "auto":
         return name
     if topology is None or topology.ep == 1:
@@ -136,7 +143,7 @@ class Trainer:
                                                           config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
         check_vocab(self.train_data.dataset, config.model.vocab_size)
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
-                                     comm_sms=config.parallel.comm_sms)
+                                     comm_sms=config.parallel.comm_sms, device=self.device.type)
         self.pipeline: ModelPipeline | None = None
         if topology is not None and topology.pp > 1:
             lowered, specs = plan_pipeline(config, topology.dp)

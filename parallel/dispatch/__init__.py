@@ -4,27 +4,31 @@
 - `local`: one rank owns every expert, nothing moves (`model.dispatcher.LocalDispatcher`);
 - `alltoall`: one flat `all_to_all_single` over the EP group;
 - `hierarchical`: node-limited two hops (inter-node on the rail group, then intra-node fan-out);
-- `native`: our `kernels_cuda` kernels (`parallel.dispatch.native`): the intranode `Buffer` for an EP
-  group inside one node, the two-hop `InternodeBuffer` for one that spans nodes (its RDMA hop through
-  NVSHMEM between machines, through CUDA IPC between simulated nodes of one machine; SM budget
-  `comm_sms` either way); `DispatcherUnavailable` naming the pure-torch
-  alternative where they cannot run (see `native_unavailable`) or cannot serve this EP group;
-- `deepep` (the `deep_ep` package): a clear error until wired.
+- `native`: our `kernels_cuda` kernels (`parallel.dispatch.native`) through one per-process
+  `kernels_cuda.Buffer`: the intranode kernels for an EP group inside one node, the two-hop kernels
+  for one that spans nodes (the RDMA hop through NVSHMEM between machines, through CUDA IPC between
+  simulated nodes of one machine; SM budget `comm_sms` either way). On `device="cpu"` the same
+  kernels run on the CPU emulation, the buffers in shared memory between the processes of one
+  machine. `DispatcherUnavailable` names the pure-torch alternative where they cannot run (see
+  `native_unavailable`) or cannot serve this EP group;
+- `deepep`: the same dispatcher over `deep_ep.Buffer` (`parallel.dispatch.deepep`) where the optional
+  `deep_ep` package is installed (GPU only, nodes of 8 GPUs); `DispatcherUnavailable` naming the
+  install otherwise.
 Communicating backends count the bytes they send per link in `dispatcher.traffic`.
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import NamedTuple
 
 from model.dispatcher import Dispatcher, LocalDispatcher
 from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, ExchangeDispatcher, Traffic
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
+from parallel.dispatch.deepep import deepep_unavailable, make_deepep_dispatcher
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
 from kernels_cuda.config import Config
 from kernels_cuda.internode_config import InternodeConfig
-from parallel.dispatch.native import NativeDispatcher, internode_buffer_factory, process_group_buffer_factory
+from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
 from parallel.topology import Topology, TopologyError, read_launch_env
 
 BACKENDS = ("local", "alltoall", "hierarchical", "native", "deepep")
@@ -51,16 +55,26 @@ def job_on_one_machine() -> bool:
     return launch.local_world_size >= launch.world_size
 
 
-def native_unavailable(across_nodes: bool = False) -> str | None:
-    """Why the `native` kernels cannot run in this process, or None: no kernels_cuda build, no CUDA
-    device, or, for an EP group `across_nodes` of a job spanning machines, a build without the NVSHMEM
-    back end (the extension's `with_nvshmem`)."""
+def native_unavailable(across_nodes: bool = False, device: str = "cuda") -> str | None:
+    """Why the `native` kernels cannot run in this process on `device`, or None. CUDA: no kernels_cuda
+    build, no CUDA device, or, for an EP group `across_nodes` of a job spanning machines, a build
+    without the NVSHMEM back end (the extension's `with_nvshmem`). CPU: no build of the emulation, or a
+    job spanning machines (its buffers are shared memory of one machine)."""
     import torch
 
     import kernels_cuda
 
-    if not kernels_cuda.is_built():
-        return f"kernels_cuda is not built here: {kernels_cuda.build_status()}"
+    if device == "cpu":
+        problem = kernels_cuda.build_problem("cpu")
+        if problem is not None:
+            return problem
+        if not job_on_one_machine():
+            return ("the CPU emulation's buffers are shared memory between the processes of one machine, but this "
+                    "job spans machines (or was not started by torchrun/srun)")
+        return None
+    problem = kernels_cuda.build_problem("cuda")
+    if problem is not None:
+        return problem
     if not torch.cuda.is_available():
         return "no CUDA device is available"
     if across_nodes and not job_on_one_machine() and not getattr(kernels_cuda.require_built(), "with_nvshmem", False):
@@ -99,11 +113,11 @@ def _alternatives(ep: _EPGroup | None) -> str:
 
 
 def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool,
-                 comm_sms: int | None) -> NativeDispatcher:
+                 comm_sms: int | None, device: str) -> NativeDispatcher:
     from kernels_cuda import constants
 
     ep_group = _ep_group_of(topology_or_comms)
-    problem = native_unavailable(across_nodes=ep_group is not None and ep_group.spans_nodes)
+    problem = native_unavailable(across_nodes=ep_group is not None and ep_group.spans_nodes, device=device)
     if problem is not None:
         raise DispatcherUnavailable(f"dispatcher 'native' cannot run here: {problem}; use {_alternatives(ep_group)}")
     if ep_group is None:
@@ -117,31 +131,36 @@ def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int,
                 f"dispatcher 'native': the internode kernels reach at most {constants.MAX_RDMA_PEERS} nodes of "
                 f"{constants.MAX_NVL_PEERS} GPUs, not {nodes} x {per_node}; use 'hierarchical'")
         internode = InternodeConfig.for_nodes(nodes, **num_sms)
-        try:
-            factory = internode_buffer_factory(group, per_node, internode)
-        except ImportError as err:
-            raise DispatcherUnavailable(f"dispatcher 'native': this kernels_cuda has no internode buffer ({err}); "
-                                        "use 'hierarchical'") from err
+        factory = process_group_buffer_factory(group, per_node, internode, device)
         return NativeDispatcher(factory, num_experts, ep, rank, per_node, fp8, internode)
     if constants.DISPATCH_WARPS % ep or constants.COMBINE_WARPS % ep:
         raise DispatcherUnavailable(f"dispatcher 'native': the intranode kernels split their warps evenly over the "
                                     f"ranks, which {ep} ranks cannot do; use 'alltoall'")
     config = Config(**num_sms)
-    return NativeDispatcher(process_group_buffer_factory(group, config), num_experts, ep, rank, per_node, fp8, config)
+    return NativeDispatcher(process_group_buffer_factory(group, per_node, config, device), num_experts, ep, rank,
+                            per_node, fp8, config)
 
 
-def _check_deepep() -> None:
-    if importlib.util.find_spec("deep_ep") is None:
-        raise DispatcherUnavailable("dispatcher 'deepep': deep_ep is not installed; use 'hierarchical' or 'alltoall'")
-    raise DispatcherUnavailable("dispatcher 'deepep': deep_ep is installed but has no backend here yet")
+def _make_deepep(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool, comm_sms: int | None,
+                 device: str) -> NativeDispatcher:
+    ep_group = _ep_group_of(topology_or_comms)
+    problem = deepep_unavailable(device, *((1, 1) if ep_group is None else (ep_group.size, ep_group.per_node)))
+    if problem is None and ep_group is None:
+        raise ValueError("dispatcher 'deepep' needs a topology or EP communicators on torch.distributed groups")
+    if problem is not None:
+        raise DispatcherUnavailable(f"dispatcher 'deepep' cannot run here: {problem}; or use 'native' or "
+                                    f"{_alternatives(ep_group)}")
+    return make_deepep_dispatcher(ep_group.group, num_experts, ep_group.size, ep_group.rank, ep_group.per_node, fp8,
+                                  comm_sms)
 
 
 def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num_experts: int,
-                    *, fp8: bool = False, comm_sms: int | None = None) -> Dispatcher:
+                    *, fp8: bool = False, comm_sms: int | None = None, device: str = "cuda") -> Dispatcher:
     """The backend `name` for this rank's EP group; `fp8` sends the dispatch payload as e4m3.
 
     `comm_sms` is the SM budget of the `native` kernels (2 per channel; default 20, DeepSeek-V3's
-    figure); the other backends communicate through torch.distributed and ignore it.
+    figure), `device` where they run ('cuda', or 'cpu': the emulation); the other backends communicate
+    through torch.distributed and ignore both.
 
     `topology_or_comms` is a built `Topology` (its ep, intra-node and rail groups are used) or
     `EPComms` (e.g. simulated ones); it may be None for `local`.
@@ -149,9 +168,9 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
     if name not in BACKENDS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "native":
-        return _make_native(topology_or_comms, num_experts, fp8, comm_sms)
+        return _make_native(topology_or_comms, num_experts, fp8, comm_sms, device)
     if name == "deepep":
-        _check_deepep()
+        return _make_deepep(topology_or_comms, num_experts, fp8, comm_sms, device)
     if name == "local":
         ep = 1 if topology_or_comms is None else (
             topology_or_comms.ep if isinstance(topology_or_comms, Topology) else topology_or_comms.ep.size)
@@ -171,5 +190,5 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
 __all__ = [
     "BACKENDS", "COMBINE", "DISPATCH", "INTER_NODE", "INTRA_NODE", "AllToAllDispatcher", "Comm",
     "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend",
-    "NativeDispatcher", "ProcessGroupComm", "Traffic", "make_dispatcher", "native_unavailable",
+    "NativeDispatcher", "ProcessGroupComm", "Traffic", "deepep_unavailable", "make_dispatcher", "native_unavailable",
 ]

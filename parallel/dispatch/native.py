@@ -1,5 +1,5 @@
-"""The `native` dispatcher: our CUDA kernels (`kernels_cuda.Buffer`, `InternodeBuffer`) behind the DeepEP-shaped
-contract.
+"""The `native` dispatcher: our CUDA kernels (`kernels_cuda.Buffer`, on a GPU or the CPU emulation) behind the
+DeepEP-shaped contract.
 
 The buffer does the moving; this module adds what the contract asks beyond DeepEP's API:
 - autograd, as in `parallel.dispatch.base`: dispatch's backward is a combine of the gradients of
@@ -20,12 +20,13 @@ The buffer does the moving; this module adds what the contract asks beyond DeepE
 The kind of buffer follows the config: a `kernels_cuda.Config` means an intranode buffer (one
 NVLink region), an `InternodeConfig` an internode one (RDMA and NVLink regions).
 `buffer_factory(sizes)` gets the `BufferSizes` the next calls need and returns an object with the
-buffer API (a real `Buffer` or `InternodeBuffer` on a process group, a
+buffer API (a real `Buffer` on a process group, a
 `kernels_cuda.rank_views.RankView` of an emulated group, or a test double).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -35,7 +36,7 @@ from kernels_cuda.internode_config import InternodeConfig
 from model.dispatcher import Layout
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
 from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
-from parallel.dispatch.handles import StreamHandle, comm_stream, complete
+from parallel.dispatch.handles import StreamHandle, WorkHandle, comm_stream, complete
 from parallel.dispatch.layout import compute_layout
 
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels' combine can sum
@@ -53,6 +54,7 @@ class BufferSizes:
 
 
 BufferFactory = Callable[[BufferSizes], Any]
+BufferSizer = Callable[[int, int], BufferSizes]  # (hidden bytes of a row, top-k) -> what a buffer needs
 
 
 def buffer_sizes(config: Config | InternodeConfig, num_ranks: int, ranks_per_node: int, hidden_bytes: int,
@@ -63,6 +65,23 @@ def buffer_sizes(config: Config | InternodeConfig, num_ranks: int, ranks_per_nod
         rdma, nvl = config.buffer_size_hints(num_ranks // ranks_per_node, ranks_per_node, hidden_bytes, num_topk)
         return BufferSizes(nvl, rdma)
     return BufferSizes(config.buffer_size_hint(num_ranks, hidden_bytes, num_topk))
+
+
+# DeepEP's handles are tuples (reference brief §1.6); the positions of the fields the counters read.
+DEEPEP_HANDLE_FIELDS = {
+    6: {"rank_prefix_matrix": 0, "is_token_in_rank": 4},
+    10: {"is_token_in_rank": 0, "recv_rdma_rank_prefix_sum": 4, "recv_gbl_rank_prefix_sum": 6, "send_nvl_head": 9},
+}
+
+
+def handle_fields(handle: Any) -> Any:
+    """The handle's fields by name: our handles as they are, DeepEP's tuples by position."""
+    if not isinstance(handle, tuple):
+        return handle
+    positions = DEEPEP_HANDLE_FIELDS.get(len(handle))
+    if positions is None:
+        raise TypeError(f"a buffer handle of {len(handle)} fields is neither DeepEP's intranode (6) nor internode (10)")
+    return SimpleNamespace(**{name: handle[i] for name, i in positions.items()})
 
 
 @dataclass
@@ -86,11 +105,15 @@ def _tensors(value: Any):
 def on_comm_stream(fn: Callable[[], Any], inputs: tuple[torch.Tensor, ...]) -> Any:
     """Run the buffer call `fn`; inside an overlapped pair on CUDA its kernels go to the pair's
     communication stream (whose SMs are the buffer's `num_sms` budget) and the other chunk computes
-    until they finish, as the all-to-alls of the pure-torch backends do."""
+    until they finish, as the all-to-alls of the pure-torch backends do. Elsewhere (the CPU emulation,
+    or outside a pair) the call has finished when it returns; a pair still passes the baton here, so
+    the chunks interleave at the same points on every device."""
     device = inputs[0].device
     stream = comm_stream(device)
     if stream is None:
-        return fn()
+        out = fn()
+        complete(WorkHandle(None))
+        return out
     compute = torch.cuda.current_stream(device)
     stream.wait_stream(compute)
     with torch.cuda.stream(stream):
@@ -167,14 +190,21 @@ class NativeDispatcher:
     """The dispatcher contract of `model.dispatcher` over a `kernels_cuda` buffer (one EP rank).
 
     `config` says the kind of buffer `buffer_factory` makes: intranode (`Config`, the default) or
-    internode (`InternodeConfig`, ranks numbered node * ranks_per_node + GPU).
+    internode (`InternodeConfig`, ranks numbered node * ranks_per_node + GPU), and by default its size
+    (`sizes` overrides it: `deepep` sizes by DeepEP's configs). `payload_dtypes` are the row dtypes the
+    buffer moves and sums; `name` is the dispatcher's name in errors.
     """
 
     def __init__(self, buffer_factory: BufferFactory, num_experts: int, num_ranks: int, rank: int,
-                 ranks_per_node: int, fp8: bool = False, config: Config | InternodeConfig | None = None) -> None:
+                 ranks_per_node: int, fp8: bool = False, config: Config | InternodeConfig | None = None,
+                 sizes: BufferSizer | None = None, payload_dtypes: tuple[torch.dtype, ...] = PAYLOAD_DTYPES,
+                 name: str = "native") -> None:
         if num_experts % num_ranks:
             raise ValueError(f"{num_experts} experts cannot be split over {num_ranks} EP ranks")
         self.buffer_factory, self.config = buffer_factory, config or Config()
+        self.sizes = sizes or (lambda hidden_bytes, num_topk: buffer_sizes(
+            self.config, self.num_ranks, self.ranks_per_node, hidden_bytes, num_topk))
+        self.payload_dtypes, self.name = payload_dtypes, name
         self.num_experts, self.num_ranks, self.rank = num_experts, num_ranks, rank
         self.ranks_per_node, self.experts_per_rank = ranks_per_node, num_experts // num_ranks
         self.fp8 = fp8
@@ -219,7 +249,7 @@ class NativeDispatcher:
     def combine(self, y: torch.Tensor, handle: NativeHandle) -> torch.Tensor:
         """Unweighted sum, per source token, of its rows on every rank it went to."""
         if not isinstance(handle, NativeHandle):
-            raise TypeError(f"dispatcher 'native' combines with its own dispatch handle, got {type(handle).__name__}")
+            raise TypeError(f"dispatcher '{self.name}' combines with its own dispatch handle, got {type(handle).__name__}")
         return _Combine.apply(self, y, handle)
 
     # ------------------------------------------------------------------ helpers for the autograd functions
@@ -227,7 +257,7 @@ class NativeDispatcher:
     def buffer_for(self, x: torch.Tensor, num_topk: int) -> Any:
         """The buffer, (re-)created if it is missing or too small for rows like `x`."""
         hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # FP8 rows (+ scales) fit where BF16 rows do
-        needed = buffer_sizes(self.config, self.num_ranks, self.ranks_per_node, hidden_bytes, num_topk)
+        needed = self.sizes(hidden_bytes, num_topk)
         if self._buffer is None or not self._buffer_sizes.covers(needed):
             destroy = getattr(self._buffer, "destroy", None)
             if destroy is not None:  # collective: peers finish with its regions before they are freed
@@ -253,6 +283,7 @@ class NativeDispatcher:
         """Rows this rank sends over each link (dispatch direction, combine direction), read from the
         handle of a fresh dispatch (before any combine rewrites its heads), as device tensors: the
         traffic counters read them back only when they are read."""
+        handle = handle_fields(handle)
         if self.internode:
             return self._internode_link_rows(handle)
         column = handle.rank_prefix_matrix[:, self.rank].long()  # [R, R] prefix over sources, column = receiver
@@ -303,33 +334,25 @@ class NativeDispatcher:
         return is_token_in_rank.view(-1, nodes, self.ranks_per_node).any(-1).sum(0)
 
     def check_payload(self, x: torch.Tensor) -> None:
-        if x.dtype not in PAYLOAD_DTYPES:
-            raise TypeError(f"dispatcher 'native' moves bfloat16 or float32 rows, got {x.dtype}")
+        if x.dtype not in self.payload_dtypes:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.payload_dtypes)
+            raise TypeError(f"dispatcher '{self.name}' moves {names} rows, got {x.dtype}")
         if x.shape[1] * x.element_size() % 16:
-            raise ValueError(f"dispatcher 'native' needs rows of a multiple of 16 bytes, got {x.shape[1]} x {x.dtype}")
+            raise ValueError(f"dispatcher '{self.name}' needs rows of a multiple of 16 bytes, got {x.shape[1]} x {x.dtype}")
 
     def _check_experts(self, num_experts: int) -> None:
         if num_experts != self.num_experts:
             raise ValueError(f"this dispatcher was built for {self.num_experts} experts, got {num_experts}")
 
 
-def process_group_buffer_factory(group: Any, config: Config | None = None) -> BufferFactory:
-    """Intranode buffers on a torch.distributed process group (CUDA IPC between the ranks of one node)."""
+def process_group_buffer_factory(group: Any, ranks_per_node: int, config: Config | InternodeConfig,
+                                 device: str) -> BufferFactory:
+    """Per-process `kernels_cuda.Buffer`s on a torch.distributed process group: intranode for a `Config`,
+    internode (nodes of `ranks_per_node` ranks) for an `InternodeConfig`; on a GPU or the CPU emulation."""
     from kernels_cuda import Buffer
 
     def make(sizes: BufferSizes) -> Any:
-        return Buffer(group, sizes.nvl_bytes, config)
-
-    return make
-
-
-def internode_buffer_factory(group: Any, ranks_per_node: int, config: InternodeConfig) -> BufferFactory:
-    """Internode buffers on a torch.distributed process group spanning nodes (the RDMA hop through NVSHMEM,
-    or CUDA IPC when the nodes share a machine; CUDA IPC inside a node); raises ImportError where this
-    kernels_cuda has no `InternodeBuffer`."""
-    from kernels_cuda import InternodeBuffer
-
-    def make(sizes: BufferSizes) -> Any:
-        return InternodeBuffer(group, ranks_per_node, sizes.nvl_bytes, sizes.rdma_bytes, config)
+        return Buffer(group, sizes.nvl_bytes, sizes.rdma_bytes, ranks_per_node=ranks_per_node, config=config,
+                      device=device)
 
     return make

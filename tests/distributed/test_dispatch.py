@@ -270,9 +270,9 @@ def test_moe_block_matches_single_process(pools, world, ep, per_node):
 
 
 def test_unavailable_and_misused_backends_say_why():
-    with pytest.raises(DispatcherUnavailable, match="kernels_cuda is not built"):
+    with pytest.raises(DispatcherUnavailable, match="kernels_cuda for cuda is not built"):
         make_dispatcher("native", None, 8)
-    with pytest.raises(DispatcherUnavailable, match="deep_ep is not installed"):
+    with pytest.raises(DispatcherUnavailable, match="deep_ep package is not installed"):
         make_dispatcher("deepep", None, 8)
     with pytest.raises(ValueError, match="unknown dispatcher 'nccl'"):
         make_dispatcher("nccl", None, 8)

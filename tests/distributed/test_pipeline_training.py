@@ -15,7 +15,7 @@ SHORT = ("train.seq_length=16", "train.global_batch_size=16")
 
 
 def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: int, cache_dir: str, run_dir: str,
-                   resume: bool) -> dict:
+                   resume: bool, *extra: str) -> dict:
     import torch.distributed as dist
 
     topology = build_topology(pp=pp, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
@@ -24,9 +24,10 @@ def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: i
         config = tiny_config(cache_dir, run_dir, *SHORT, f"parallel.pp={pp}", f"parallel.ep={ep}",
                              f"parallel.schedule={schedule}", "parallel.dispatcher=hierarchical" if ep > 1 else
                              "parallel.dispatcher=local", f"checkpoint.resume={'auto' if resume else 'none'}",
-                             "train.steps=4")
+                             "train.steps=4", *extra)
         trainer = Trainer(config, topology)
         metrics = read_metrics([trainer.train_step() for _ in range(steps)])
+        hook = trainer.pipeline.runtime.fb_overlap
         if resume:
             trainer.save()
         first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
@@ -39,7 +40,7 @@ def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: i
                 params[name] = (None, param.detach().clone())
         return {"metrics": metrics, "params": params,
                 "dispatcher": type(trainer.model.moe_blocks()[0].dispatcher).__name__ if trainer.model.moe_blocks()
-                else None}
+                else None, "overlap": None if hook is None else (hook.stats.pairs, hook.stats.hidden)}
     finally:
         if trainer is not None:
             trainer.pipeline.destroy()
@@ -80,6 +81,17 @@ def test_pp2_dp4_equals_single_process(pools, corpus_cache, tmp_path, schedule, 
     results = pools.get(8).run(pipeline_train, 2, ep, gpus_per_node, schedule, 2, corpus_cache,
                                str(tmp_path / "run"), False, deadline_s=300)
     assert {r["dispatcher"] for r in results} == {"HierarchicalDispatcher"}
+    assert_matches(results, reference)
+
+
+def test_pp2_with_the_native_kernels_equals_single_process(pools, kernels_cpu, corpus_cache, tmp_path):  # noqa: F811
+    """PP 2 x DP 4, EP 4 over 2 simulated nodes, DualPipeV with overlapped pairs: the two-hop kernels of
+    the CPU emulation, one buffer per process, inside the pairs."""
+    reference = reference_run(corpus_cache, str(tmp_path / "ref"), 2)
+    results = pools.get(8).run(pipeline_train, 2, 4, 2, "dualpipev", 2, corpus_cache, str(tmp_path / "run"), False,
+                               "parallel.dispatcher=native", "parallel.comm_sms=4", deadline_s=300)
+    assert {r["dispatcher"] for r in results} == {"NativeDispatcher"}
+    assert all(r["overlap"][0] > 0 and r["overlap"][1] > 0 for r in results), [r["overlap"] for r in results]
     assert_matches(results, reference)
 
 

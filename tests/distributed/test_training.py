@@ -27,12 +27,13 @@ def tiny_config(cache_dir: str, run_dir: str, *extra: str):
         "train.micro_batch_size=1", "train.steps=3", *extra])
 
 
-def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_dir: str, run_dir: str) -> dict:
+def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_dir: str, run_dir: str,
+                                *extra: str) -> dict:
     import torch.distributed as dist
 
     topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
     try:
-        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}")
+        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}", *extra)
         reference = Trainer(tiny_config(cache_dir, f"{run_dir}_ref{dist.get_rank()}"))  # one log dir per rank
         trainer = Trainer(config, topology)
         first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
@@ -63,7 +64,9 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
         ref_biases = [r.e_score_correction_bias for r in reference.model.routers()]
         worst["bias"] = max((a - b).abs().max().item() for a, b in zip(biases, ref_biases))
         worst["moved_bias"] = max(b.abs().max().item() for b in ref_biases)
-        worst["dispatcher"] = type(trainer.model.moe_blocks()[0].dispatcher).__name__
+        dispatcher = trainer.model.moe_blocks()[0].dispatcher
+        worst["dispatcher"] = type(dispatcher).__name__
+        worst["traffic"] = dict(dispatcher.traffic.bytes)
         return worst
     finally:
         topology.destroy_groups()
@@ -77,16 +80,25 @@ def corpus_cache(tmp_path_factory):
     return str(cache)
 
 
-@pytest.mark.parametrize("world, ep, gpus_per_node, zero1, dispatcher", [
-    (4, 4, 2, True, "HierarchicalDispatcher"),
-    (4, 2, 2, True, "AllToAllDispatcher"),
-    (4, 2, 2, False, "AllToAllDispatcher"),
-    (2, 2, 1, True, "HierarchicalDispatcher"),
-])
+NATIVE = ("parallel.dispatcher=native", "parallel.comm_sms=4")  # the CPU emulation of the kernels, 2 channels
+
+
+@pytest.mark.parametrize("world, ep, gpus_per_node, zero1, dispatcher, extra", [
+    (4, 4, 2, True, "HierarchicalDispatcher", ()),
+    (4, 2, 2, True, "AllToAllDispatcher", ()),
+    (4, 2, 2, False, "AllToAllDispatcher", ()),
+    (2, 2, 1, True, "HierarchicalDispatcher", ()),
+    (4, 4, 2, True, "NativeDispatcher", NATIVE),   # the two-hop internode kernels, 2 nodes x 2
+    (4, 4, 4, False, "NativeDispatcher", NATIVE),  # the intranode kernels, EP 4 in one node
+    (4, 2, 2, True, "NativeDispatcher", NATIVE),   # the intranode kernels, EP 2 in each node, DP 2
+], ids=["hierarchical-ep4-2x2", "alltoall-ep2", "alltoall-ep2-no-zero1", "hierarchical-ep2-2x1", "native-ep4-2x2",
+        "native-ep4-1x4", "native-ep2-dp2"])
 def test_dp_ep_training_equals_single_process(pools, corpus_cache, tmp_path, world, ep, gpus_per_node, zero1,
-                                              dispatcher):
+                                              dispatcher, extra, request):
+    if extra:
+        request.getfixturevalue("kernels_cpu")
     results = pools.get(world).run(compare_with_single_process, ep, gpus_per_node, zero1, corpus_cache,
-                                   str(tmp_path / "run"), deadline_s=300)
+                                   str(tmp_path / "run"), *extra, deadline_s=300)
     for rank, worst in enumerate(results):
         assert worst["dispatcher"] == dispatcher
         assert worst["loss"] < 1e-5, (rank, worst)
@@ -94,6 +106,18 @@ def test_dp_ep_training_equals_single_process(pools, corpus_cache, tmp_path, wor
         assert worst["grad_norm"] < 1e-5, (rank, worst)
         assert worst["param"] < 4e-5, (rank, worst)
         assert worst["moved_bias"] > 0 and worst["bias"] < 1e-7, (rank, worst)
+
+
+@pytest.mark.parametrize("ep, gpus_per_node", [(4, 2), (4, 4)], ids=["2x2", "1x4"])
+def test_native_counts_the_bytes_hierarchical_counts(pools, kernels_cpu, corpus_cache, tmp_path, ep, gpus_per_node):
+    """The same three steps through the kernels and through the pure-torch two hops: the same bytes per
+    direction and link on every rank."""
+    runs = {name: pools.get(4).run(compare_with_single_process, ep, gpus_per_node, True, corpus_cache,
+                                   str(tmp_path / name), *extra, deadline_s=300)
+            for name, extra in [("native", NATIVE), ("hierarchical", ("parallel.dispatcher=hierarchical",))]}
+    for rank, (native, hierarchical) in enumerate(zip(runs["native"], runs["hierarchical"])):
+        assert native["traffic"] == hierarchical["traffic"] and sum(native["traffic"].values()) > 0, rank
+        assert native["loss"] < 1e-5 and hierarchical["loss"] < 1e-5, rank
 
 
 def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str) -> list[float]:

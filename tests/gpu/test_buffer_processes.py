@@ -1,6 +1,6 @@
 """Per-process buffers, all processes sharing the one GPU, against the pure-torch reference:
-`kernels_cuda.Buffer` (one node: peers' buffers opened through CUDA IPC, handles exchanged over gloo)
-and `InternodeBuffer` over simulated nodes (both hops through CUDA IPC)."""
+`kernels_cuda.Buffer` on one node (peers' buffers opened through CUDA IPC, handles exchanged over gloo)
+and over simulated nodes (both hops through CUDA IPC)."""
 from __future__ import annotations
 
 import os

@@ -13,7 +13,7 @@ from parallel.dispatch.simulated import SimulatedEPGroup
 from tests.kernels.cases import node_limited_routing, payload, quantize, routing, weights
 from tests.kernels.reference import layouts_of, reference_combine, reference_dispatch
 from tests.kernels.reference_internode import kernel_hop_rows, run_hierarchical
-from tests.unit.kernel_standins import TorchEmulatedInternodeGroup
+from tests.unit.emulated_kernels import internode_group
 
 TOKENS, HIDDEN, TOPK = 24, 64, 4
 
@@ -50,7 +50,7 @@ def test_hop_counts_of_the_two_hop_model_equal_the_hierarchical_counters(nodes, 
     topk = node_limited_routing(nodes, gpus, TOKENS, E, TOPK, max_nodes=2, seed=R, device="cpu")
     xs = payload("random", R, TOKENS, HIDDEN, torch.float32, seed=R, device="cpu")
     ws = weights(R, TOKENS, TOPK, seed=R, device="cpu")
-    handles = [r[4] for r in TorchEmulatedInternodeGroup(nodes, gpus).dispatch(xs, topk, ws, E)]
+    handles = [r[4] for r in internode_group(nodes, gpus, HIDDEN * 4, TOPK).dispatch(xs, topk, ws, E)]
     ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
     for rank, (got, want) in enumerate(zip(kernel_hop_rows(nodes, gpus, handles), ref)):
         assert got == {k: v for k, v in want.rows.items() if v}, f"rank {rank}"

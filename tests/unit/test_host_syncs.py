@@ -19,7 +19,7 @@ from parallel.dispatch import make_dispatcher
 from parallel.dispatch.native import NativeDispatcher
 from parallel.dispatch.simulated import SimulatedEPGroup
 from kernels_cuda.rank_views import rank_views
-from tests.unit.kernel_standins import TorchEmulatedGroup
+from tests.unit.emulated_kernels import intranode_group
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ModelArgs(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
@@ -100,7 +100,7 @@ def test_moe_layer_syncs_only_for_the_split_sizes_of_each_all_to_all():
         for rank, syncs in enumerate(results):
             assert [(s.kind, s.where.split(":")[0]) for s in syncs] == [("tolist", "parallel/dispatch/base.py")] * hops, (
                 name, rank, syncs)
-    views = rank_views(TorchEmulatedGroup(EP), EP, timeout_s=30)
+    views = rank_views(intranode_group(EP, ARGS.hidden_size * 4, ARGS.moe_router_topk), EP, timeout_s=30)
     results = SimulatedEPGroup(EP, PER_NODE).run(lambda rank, _comms: _moe_layer_syncs(
         rank, NativeDispatcher(lambda _sizes: views[rank], ARGS.num_moe_experts, EP, rank, PER_NODE)))
     assert results == [[]] * EP  # the kernels' own host wait for the receive counts is the one left

@@ -28,7 +28,7 @@ def test_without_the_cuda_build_status_says_so_and_cuda_buffers_refuse_clearly()
     with pytest.raises(kernels_cuda.KernelsNotBuilt, match="for cuda is not built"):
         kernels_cuda.EmulatedGroup(2, 1 << 20, device="cuda")
     with pytest.raises(kernels_cuda.KernelsNotBuilt, match="for cuda is not built"):
-        kernels_cuda.Buffer(None, 1 << 20)
+        kernels_cuda.Buffer(None, 1 << 20, device="cuda")
     with pytest.raises(kernels_cuda.KernelsNotBuilt, match="for cuda is not built"):
         kernels_cuda.EmulatedInternodeGroup(2, 2, 1 << 20, 1 << 20, device="cuda")
     with pytest.raises(ValueError, match="device must be one of"):

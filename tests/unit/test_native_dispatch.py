@@ -1,6 +1,6 @@
-"""The `native` dispatcher's wrapper on CPU: a pure-torch stand-in for `kernels_cuda.EmulatedGroup`
-(same list API, same numerics) behind `kernels_cuda.rank_views`, one thread per rank, compared with
-the `alltoall` backend: outputs, autograd (both gradients), handle reuse, byte counters, errors."""
+"""The `native` dispatcher over the intranode kernels on the CPU emulation (`kernels_cuda.EmulatedGroup`
+behind `kernels_cuda.rank_views`, one thread per rank), compared with the `alltoall` backend: outputs,
+autograd (both gradients), handle reuse, byte counters, errors."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.layout import compute_layout
 from parallel.dispatch.native import BufferSizes
 from parallel.dispatch.simulated import SimulatedEPGroup
-from tests.unit.kernel_standins import TorchEmulatedGroup
+from tests.unit.emulated_kernels import RecordingGroup, intranode_group
 
 R, PER_NODE, E, N, H, K = 4, 2, 8, 12, 128, 3
 
@@ -42,9 +42,8 @@ def _step(d, rank: int, dtype: torch.dtype = torch.float32):
             dict(d.traffic.rows), dict(d.traffic.bytes)]
 
 
-def _run_native(fp8: bool = False, dtype: torch.dtype = torch.float32, fake: TorchEmulatedGroup | None = None,
-                config: Config | None = None):
-    fake = fake or TorchEmulatedGroup(R)
+def _run_native(fp8: bool = False, dtype: torch.dtype = torch.float32, config: Config | None = None):
+    fake = intranode_group(R, H * 4, K)
     views = rank_views(fake, R, timeout_s=30)
     made: list[BufferSizes] = []
 
@@ -97,7 +96,7 @@ def test_counters_split_links_and_directions():
 
 
 def test_bfloat16_payload_and_buffer_grows_for_wider_rows():
-    fake = TorchEmulatedGroup(R)
+    fake = intranode_group(R, H * 4, K)
     views = rank_views(fake, R, timeout_s=30)
     sizes: list[list[BufferSizes]] = [[] for _ in range(R)]
 
@@ -127,7 +126,7 @@ def test_bfloat16_payload_and_buffer_grows_for_wider_rows():
 
 
 def test_layout_matches_the_torch_layout_before_and_after_the_first_dispatch():
-    fake = TorchEmulatedGroup(R)
+    fake = intranode_group(R, H * 4, K)
     views = rank_views(fake, R, timeout_s=30)
 
     def body(rank, _comms):
@@ -167,11 +166,11 @@ def test_errors_are_clear():
 
 
 def test_a_failing_collective_reaches_every_rank():
-    class Broken(TorchEmulatedGroup):
+    class Broken(RecordingGroup):
         def dispatch(self, *args, **kwargs):
             raise RuntimeError("kernels_cuda: invalid config")
 
-    views = rank_views(Broken(R), R, timeout_s=30)
+    views = rank_views(Broken(intranode_group(R, H * 4, K).group), R, timeout_s=30)
 
     def body(rank, _comms):
         d = NativeDispatcher(lambda _sizes: views[rank], E, R, rank, PER_NODE)
@@ -200,7 +199,7 @@ def _fake_group_comms(ep: int, per_node: int) -> EPComms:
 
 
 def test_make_dispatcher_native_selection(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     d = make_dispatcher("native", _fake_group_comms(4, 4), E, fp8=True)
     assert isinstance(d, NativeDispatcher) and (d.num_ranks, d.rank, d.fp8) == (4, 0, True)

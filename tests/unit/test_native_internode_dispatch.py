@@ -1,8 +1,8 @@
-"""The `native` dispatcher over internode (two-hop) buffers on CPU: a pure-torch stand-in for
-`kernels_cuda.EmulatedInternodeGroup` (same list API, same numerics, `InternodeHandle`s) behind
-`kernels_cuda.rank_views`, one thread per rank, compared with the `hierarchical` backend: outputs,
-autograd (both gradients), cached reuse, per-hop byte counters, buffer sizing; then the errors of
-`make_dispatcher` and of the config where `native` cannot run."""
+"""The `native` dispatcher over the internode (two-hop) kernels on the CPU emulation
+(`kernels_cuda.EmulatedInternodeGroup` behind `kernels_cuda.rank_views`, one thread per rank), compared
+with the `hierarchical` backend: outputs, autograd (both gradients), cached reuse, per-hop byte
+counters, buffer sizing; then the errors of `make_dispatcher` and of the start-up where `native`
+cannot run."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -22,7 +22,7 @@ from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.layout import compute_layout
 from parallel.dispatch.native import BufferSizes
 from parallel.dispatch.simulated import SimulatedEPGroup
-from tests.unit.kernel_standins import TorchEmulatedInternodeGroup
+from tests.unit.emulated_kernels import internode_group
 
 N, H, K = 10, 128, 3
 TINY = "moe_train/configs/tiny.yaml"
@@ -51,7 +51,7 @@ def _step(d, rank: int, num_experts: int, dtype: torch.dtype = torch.float32):
 
 
 def _native_views(nodes: int, gpus: int):
-    group = TorchEmulatedInternodeGroup(nodes, gpus)
+    group = internode_group(nodes, gpus, H * 4, K)
     return group, rank_views(group, nodes * gpus, timeout_s=TIMEOUT_S)
 
 
@@ -208,7 +208,8 @@ def _group_comms(ep: int, per_node: int, rank: int = 0) -> EPComms:
 
 
 def _pretend_built(monkeypatch, with_nvshmem: bool, one_machine: bool = False) -> None:
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
+    """As on a GPU machine with the CUDA build (and NVSHMEM or not)."""
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None)
     monkeypatch.setattr(kernels_cuda, "require_built", lambda: SimpleNamespace(with_nvshmem=with_nvshmem))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pd, "job_on_one_machine", lambda: one_machine)
@@ -222,18 +223,18 @@ def native_can_run(monkeypatch):
 def test_make_dispatcher_builds_internode_buffers_with_the_sm_budget(native_can_run, monkeypatch):
     created = []
 
-    class FakeInternodeBuffer:
-        def __init__(self, group, ranks_per_node, num_nvl_bytes, num_rdma_bytes, config=None):
-            created.append((group, ranks_per_node, num_nvl_bytes, num_rdma_bytes, config))
+    class FakeBuffer:
+        def __init__(self, group, num_nvl_bytes, num_rdma_bytes=0, *, ranks_per_node=None, config=None, device=None):
+            created.append((group, num_nvl_bytes, num_rdma_bytes, ranks_per_node, config, device))
 
-    monkeypatch.setattr(kernels_cuda, "InternodeBuffer", FakeInternodeBuffer, raising=False)
+    monkeypatch.setattr(kernels_cuda, "Buffer", FakeBuffer)
     d = make_dispatcher("native", _group_comms(8, 4, rank=5), 16, fp8=True, comm_sms=8)
     assert isinstance(d, NativeDispatcher) and d.internode
     assert (d.num_ranks, d.rank, d.ranks_per_node, d.fp8, d.config) == (8, 5, 4, True, InternodeConfig(num_sms=8))
     x = torch.randn(N, H, dtype=torch.bfloat16)
     d.buffer_for(x, K)
     rdma, nvl = InternodeConfig(num_sms=8).buffer_size_hints(2, 4, H * 2, K)
-    assert created == [("group8", 4, nvl, rdma, InternodeConfig(num_sms=8))]
+    assert created == [("group8", nvl, rdma, 4, InternodeConfig(num_sms=8), "cuda")]
     d.buffer_for(x, K)
     assert len(created) == 1
 
@@ -263,38 +264,42 @@ def test_job_on_one_machine_reads_the_launcher(monkeypatch, env, one_machine):
     assert pd.job_on_one_machine() is one_machine
 
 
-def test_make_dispatcher_without_an_internode_buffer_class_points_to_hierarchical(native_can_run, monkeypatch):
-    monkeypatch.delattr(kernels_cuda, "InternodeBuffer", raising=False)
-    with pytest.raises(DispatcherUnavailable, match="no internode buffer.*'hierarchical'"):
-        make_dispatcher("native", _group_comms(4, 2), 8)
-
-
 def test_make_dispatcher_refuses_what_the_internode_kernels_cannot_reach(native_can_run):
     gpus = constants.MAX_NVL_PEERS * 2
     with pytest.raises(DispatcherUnavailable, match=f"2 x {gpus}; use 'hierarchical'"):
         make_dispatcher("native", _group_comms(2 * gpus, gpus), 2 * gpus)
 
 
+def _not_built(monkeypatch) -> None:
+    monkeypatch.setattr(kernels_cuda, "build_problem",
+                        lambda device: f"kernels_cuda for {device} is not built (test); build it with <command>")
+
+
 def test_make_dispatcher_without_the_kernels_points_to_hierarchical(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
-    with pytest.raises(DispatcherUnavailable, match="not built.*use 'hierarchical'$"):
-        make_dispatcher("native", _group_comms(4, 2), 8)  # across nodes: hierarchical only
-    with pytest.raises(DispatcherUnavailable, match="use 'alltoall' or 'hierarchical'$"):
-        make_dispatcher("native", _group_comms(4, 4), 8)
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": True)
+    _not_built(monkeypatch)
+    for device in ("cuda", "cpu"):
+        with pytest.raises(DispatcherUnavailable, match=f"for {device} is not built.*<command>.*use 'hierarchical'$"):
+            make_dispatcher("native", _group_comms(4, 2), 8, device=device)  # across nodes: hierarchical only
+        with pytest.raises(DispatcherUnavailable, match="use 'alltoall' or 'hierarchical'$"):
+            make_dispatcher("native", _group_comms(4, 4), 8, device=device)
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(DispatcherUnavailable, match="no CUDA device.*'hierarchical'"):
         make_dispatcher("native", _group_comms(4, 2), 8)
 
 
-def test_config_refuses_native_on_cpu_and_points_to_hierarchical():
-    with pytest.raises(ConfigError) as err:
-        load_config(TINY, ["parallel.dispatcher=native", "train.device=cpu"])
-    (key, message), = err.value.problems
-    assert key == "parallel.dispatcher" and "'hierarchical' for an EP group across nodes" in message
-    assert "'alltoall' or 'hierarchical' inside one node" in message
-    # a config for GPU nodes stays valid on a machine without them (login node, planning)
-    assert load_config(TINY, ["parallel.dispatcher=native", "train.device=cuda"]).parallel.dispatcher == "native"
+def test_on_the_cpu_native_needs_every_rank_on_this_machine(monkeypatch):
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None)
+    monkeypatch.setattr(pd, "job_on_one_machine", lambda: False)
+    with pytest.raises(DispatcherUnavailable, match="shared memory between the processes of one machine"):
+        make_dispatcher("native", _group_comms(4, 2), 8, device="cpu")
+    monkeypatch.setattr(pd, "job_on_one_machine", lambda: True)
+    assert make_dispatcher("native", _group_comms(4, 2), 8, device="cpu").internode
+
+
+def test_config_accepts_native_on_every_device():
+    for device in ("cpu", "cuda", "auto"):
+        assert load_config(TINY, ["parallel.dispatcher=native", f"train.device={device}"]).parallel.dispatcher == "native"
 
 
 def _topology(ep: int, ep_nodes: int) -> SimpleNamespace:
@@ -302,18 +307,25 @@ def _topology(ep: int, ep_nodes: int) -> SimpleNamespace:
 
 
 def test_start_up_refuses_native_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
-    config = load_config(TINY, ["parallel.dispatcher=native"])
+    _not_built(monkeypatch)
+    config = load_config(TINY, ["parallel.dispatcher=native", "train.device=cpu"])
     for topology in (None, _topology(4, 2), _topology(4, 1)):
         with pytest.raises(ConfigError) as err:
             choose_dispatcher(config, topology)
         (key, message), = err.value.problems
-        assert key == "parallel.dispatcher" and "not built" in message
+        assert key == "parallel.dispatcher" and "for cpu is not built" in message and "<command>" in message
         assert "'hierarchical' for an EP group across nodes" in message
 
 
+def test_start_up_on_the_cpu_needs_only_the_emulation_build(monkeypatch):
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None if device == "cpu" else "no CUDA build")
+    monkeypatch.setattr(pd, "job_on_one_machine", lambda: True)
+    config = load_config(TINY, ["parallel.dispatcher=native", "train.device=cpu"])
+    assert choose_dispatcher(config, _topology(4, 2)) == "native"
+
+
 def test_training_with_native_where_it_cannot_run_stops_before_any_work(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": False)
+    _not_built(monkeypatch)
     for name in ("WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     code = main(["--config", TINY, "--set", "parallel.dispatcher=native", "--set", f"logging.dir={tmp_path / 'run'}",
@@ -321,17 +333,18 @@ def test_training_with_native_where_it_cannot_run_stops_before_any_work(monkeypa
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and err.count("\n") == 1
     assert err.startswith("error: parallel.dispatcher: 'native' cannot run here") and "'hierarchical'" in err
+    assert "<command>" in err
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
 def test_start_up_accepts_native_where_it_can_run(native_can_run):
-    config = load_config(TINY, ["parallel.dispatcher=native"])
+    config = load_config(TINY, ["parallel.dispatcher=native", "train.device=cuda"])
     assert choose_dispatcher(config, _topology(4, 2)) == "native"
 
 
 def test_start_up_refuses_native_across_nodes_without_nvshmem(monkeypatch):
     _pretend_built(monkeypatch, with_nvshmem=False)
-    config = load_config(TINY, ["parallel.dispatcher=native"])
+    config = load_config(TINY, ["parallel.dispatcher=native", "train.device=cuda"])
     assert choose_dispatcher(config, _topology(4, 1)) == "native"  # inside one node NVSHMEM is not needed
     with pytest.raises(ConfigError) as err:
         choose_dispatcher(config, _topology(4, 2))
@@ -341,8 +354,7 @@ def test_start_up_refuses_native_across_nodes_without_nvshmem(monkeypatch):
 
 @pytest.mark.parametrize("built", [False, True])
 def test_auto_never_picks_native(monkeypatch, built):
-    monkeypatch.setattr(kernels_cuda, "is_built", lambda device="cuda": built)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: built)
+    monkeypatch.setattr(kernels_cuda, "build_problem", lambda device: None if built else "not built")
     config = load_config(TINY)
     assert config.parallel.dispatcher == "auto"
     assert choose_dispatcher(config, None) == "local"
@@ -379,7 +391,6 @@ def test_the_internode_config_for_any_node_count_is_valid(nodes):
         assert config == InternodeConfig(num_sms=24)
 
 
-def test_make_dispatcher_gives_five_nodes_a_valid_config(native_can_run, monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "InternodeBuffer", lambda *args: None, raising=False)
+def test_make_dispatcher_gives_five_nodes_a_valid_config(native_can_run):
     d = make_dispatcher("native", _group_comms(10, 2), 20, comm_sms=8)
     assert d.config.validate(5, 2, H * 2, K, 2) is None and d.config.nvl_capacity == 285

@@ -130,6 +130,9 @@ def test_every_readme_command_runs_or_is_skipped(tmp_path):
     stale = [s for s in SKIPPED if normalize(s) not in commands]
     assert not stale, f"SKIPPED names commands no longer in README.md: {stale}"
 
+    from kernels_cuda import build_cpu
+
+    assert build_cpu.ensure_built() is None  # the `native` commands run the kernels' CPU emulation
     work = tmp_path / "work"
     work.mkdir()
     make_inputs(work)
