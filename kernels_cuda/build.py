@@ -34,7 +34,7 @@ CXX_FLAGS = ["-O3", f"-I{CSRC}"]
 # Device sources alone (compile_check) need only C++17.
 DEVICE_ONLY_FLAGS = ["-std=c++17"]
 ENV_SWITCH = "MOE_TRAIN_BUILD_CUDA"
-# The internode kernels' NVSHMEM back end (Backend::kNvshmem, kernels_cuda.InternodeBuffer: one EP
+# The internode kernels' NVSHMEM back end (Backend::kNvshmem, kernels_cuda.Buffer across machines: one EP
 # rank per process, the RDMA hop through NVSHMEM) is compiled only when asked for with
 # MOE_TRAIN_NVSHMEM=1 and NVSHMEM is found ($NVSHMEM_HOME, else the nvidia-nvshmem-cu13 wheel); it
 # needs relocatable device code, device-linked against libnvshmem_device. Everywhere else the build

@@ -2,13 +2,13 @@
 emulated rank.
 
 The emulated groups take and return one entry per rank and launch once for all of them; code written
-for one rank per process (the `native` dispatcher) calls `Buffer.dispatch(x, ...)` (or
-`InternodeBuffer.dispatch`) with its own rank's tensors. `rank_views(group, R)[r]` bridges the two:
+for one rank per process (the `native` dispatcher) calls `Buffer.dispatch(x, ...)` with its own rank's
+tensors. `rank_views(group, R)[r]` bridges the two:
 every rank's thread calls its view, the calls meet at a barrier, the last thread to arrive runs the
 group call for everybody, and each thread takes its own result. All ranks must make the same
 sequence of collective calls (dispatch, cached dispatch, combine), as they must with real buffers.
 `group` only needs the list API the two emulated groups share (`get_dispatch_layout`, `dispatch`,
-`combine`), so a pure-torch stand-in works too; the handles are the group's own (`Handle` or
+`combine`), so a recording wrapper works too; the handles are the group's own (`Handle` or
 `InternodeHandle`).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class _Meeting:
 
 
 class RankView:
-    """`kernels_cuda.Buffer`'s (and `InternodeBuffer`'s) API for rank `rank` of an emulated group (events are
+    """`kernels_cuda.Buffer`'s API for rank `rank` of an emulated group (events are
     always None; no per-node counts from the layout, as the groups' list API returns none)."""
 
     def __init__(self, group: Any, meeting: _Meeting, rank: int, num_ranks: int) -> None:

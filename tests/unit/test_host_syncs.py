@@ -80,7 +80,7 @@ def test_grouped_mm_fallbacks_equal_per_group_matmuls_without_host_syncs(sizes):
 
 def _moe_layer_syncs(rank: int, dispatcher) -> list:
     """One MoE layer's training forward and backward on fresh random tokens; the syncs of the model and
-    parallel code (the stand-ins of kernels and network are not counted: on a GPU they are kernels)."""
+    parallel code (the emulated kernels and the simulated network are not counted: on a GPU they are kernels)."""
     torch.manual_seed(100 + rank)
     moe = MoE(ARGS, dispatcher).train()
     g = _seeded(200 + rank)
