@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from kernels_cuda import Config, Handle
+from kernels_cuda.config import InternodeConfig
 from kernels_cuda.internode import InternodeHandle
-from kernels_cuda.internode_config import InternodeConfig
 from parallel.dispatch.layout import compute_layout, to_local_expert_ids
 
 
