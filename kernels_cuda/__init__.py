@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from importlib.machinery import PathFinder
 
-from kernels_cuda.config import Config
+from kernels_cuda.config import Config, InternodeConfig
 
 DEVICES = ("cuda", "cpu")
 _MODULES = {"cuda": "kernels_cuda._C", "cpu": "kernels_cuda._C_cpu"}
@@ -94,7 +94,6 @@ def default_device() -> str:
 from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle  # noqa: E402  (needs extension)
 from kernels_cuda.emulation import Schedule  # noqa: E402
 from kernels_cuda.internode import EmulatedInternodeGroup, InternodeHandle  # noqa: E402
-from kernels_cuda.internode_config import InternodeConfig  # noqa: E402
 
 __all__ = ["Buffer", "Config", "DEVICES", "EmulatedGroup", "EmulatedInternodeGroup", "EventOverlap", "Handle",
            "InternodeConfig", "InternodeHandle", "KernelsNotBuilt", "Schedule", "build_problem", "build_status",

@@ -26,11 +26,10 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from kernels_cuda import constants as C
-from kernels_cuda.config import Config, combine_row_shape
+from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
 from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
-from kernels_cuda.internode_config import InternodeConfig
 from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
                                   check_stream_args)
 

@@ -21,10 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from kernels_cuda import constants as C
-from kernels_cuda.config import combine_row_shape
+from kernels_cuda.config import InternodeConfig, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
 from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
-from kernels_cuda.internode_config import InternodeConfig
 from kernels_cuda.streams import ON_CURRENT_STREAM, CurrentStreamOp
 
 

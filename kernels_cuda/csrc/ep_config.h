@@ -1,6 +1,7 @@
-// Intranode configuration, its validation (the deadlock-freedom conditions) and the layout of the
-// per-rank communication buffer. Plain C++ usable from host code, device code and the host-only
-// probe (host/config_probe.cpp) that the CPU tests compare with kernels_cuda/config.py.
+// Intranode and internode configurations, their validation (the deadlock-freedom conditions), the
+// ring record formats and the layout of the intranode per-rank buffer (the internode regions are in
+// ep_internode.h). Plain C++ usable from host code, device code and the host-only probe
+// (host/config_probe.cpp) that the CPU tests compare with the Python mirror, kernels_cuda/config.py.
 #pragma once
 #include <cstdint>
 
@@ -34,8 +35,9 @@ EP_HD void channel_range(int num_tokens, int num_channels, int channel, int* beg
     *end = b + per_channel < num_tokens ? b + per_channel : num_tokens;
 }
 
-// One ring record. Dispatch: payload | FP8 scales | source token index | top-k ids (int32, global)
-// | top-k weights. Combine: payload | top-k weights. Each part is 4-byte aligned, the record 16.
+// One ring record. Dispatch: payload | FP8 scales | source meta | top-k ids (int32, global) | top-k
+// weights, where the meta is the source token index (intranode; internode adds more, ep_internode.h).
+// Combine: payload | top-k weights. Each part is 4-byte aligned, the record 16.
 struct RecordLayout {
     int scales_offset;
     int src_offset;
@@ -44,14 +46,18 @@ struct RecordLayout {
     int bytes;
 };
 
-EP_HD RecordLayout dispatch_record(int hidden_bytes, int num_scales, int num_topk) {
+EP_HD RecordLayout dispatch_record_with_meta(int hidden_bytes, int num_scales, int meta_bytes, int num_topk) {
     RecordLayout r;
     r.scales_offset = hidden_bytes;
     r.src_offset = r.scales_offset + num_scales * 4;
-    r.idx_offset = r.src_offset + 4;
+    r.idx_offset = r.src_offset + meta_bytes;
     r.weights_offset = r.idx_offset + num_topk * 4;
     r.bytes = static_cast<int>(align_up(r.weights_offset + num_topk * 4, kRecordAlign));
     return r;
+}
+
+EP_HD RecordLayout dispatch_record(int hidden_bytes, int num_scales, int num_topk) {
+    return dispatch_record_with_meta(hidden_bytes, num_scales, 4, num_topk);
 }
 
 EP_HD RecordLayout combine_record(int hidden_bytes, int num_topk) {
@@ -113,6 +119,15 @@ EP_HD BufferLayout make_buffer_layout(int num_ranks, int num_channels, int capac
     return l;
 }
 
+// The checks both validations end with: the row format and the experts of one rank.
+inline const char* validate_rows(int hidden_bytes, int num_topk, int num_local_experts) {
+    if (hidden_bytes <= 0 || hidden_bytes % 16 != 0) return "hidden bytes must be a positive multiple of 16";
+    if (num_topk < 1 || num_topk > kMaxTopk) return "num_topk must be in [1, kMaxTopk]";
+    if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
+        return "experts per rank must be in [1, kMaxLocalExperts]";
+    return nullptr;
+}
+
 struct IntranodeConfig {
     int num_channels;         // SM pairs; tokens are split into this many contiguous ranges
     int num_max_send_tokens;  // chunk: records a producer publishes per tail update
@@ -135,10 +150,7 @@ inline const char* validate_intranode(const IntranodeConfig& cfg, int num_ranks,
     if (cfg.num_max_send_tokens > cfg.num_max_recv_tokens)
         return "num_max_send_tokens (chunk) must not exceed num_max_recv_tokens (ring capacity): "
                "a producer waits for room for a whole chunk";
-    if (hidden_bytes <= 0 || hidden_bytes % 16 != 0) return "hidden bytes must be a positive multiple of 16";
-    if (num_topk < 1 || num_topk > kMaxTopk) return "num_topk must be in [1, kMaxTopk]";
-    if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
-        return "experts per rank must be in [1, kMaxLocalExperts]";
+    if (const char* error = validate_rows(hidden_bytes, num_topk, num_local_experts)) return error;
     if (buffer_bytes > 0) {
         const int scales = hidden_bytes / kFp8BlockSize;  // FP8 payload: one byte per channel
         const int record = dispatch_record(hidden_bytes, scales, num_topk).bytes;
@@ -148,8 +160,8 @@ inline const char* validate_intranode(const IntranodeConfig& cfg, int num_ranks,
     return nullptr;
 }
 
-// Internode (two hops). Mirrored by kernels_cuda/internode_config.py; the conditions are the
-// two-hop protocol's deadlock-freedom conditions (kernels_cuda/protocol_model_internode.py):
+// Internode (two hops). The conditions are the two-hop protocol's deadlock-freedom conditions
+// (kernels_cuda/protocol_model_internode.py):
 //  * a producer waits until a whole chunk fits: nvl_chunk <= nvl_capacity, and in combine the
 //    NVLink ring is split into one sub-ring per origin node: nvl_chunk <= nvl_capacity / nodes;
 //  * sender warps release records a round at a time (one token per warp), the coordinator puts whole
@@ -183,11 +195,7 @@ inline const char* validate_internode(const InternodeConfig& cfg, int num_nodes,
     if (cfg.rdma_capacity < kRdmaSenderWarps + 2 * cfg.rdma_chunk - 2)
         return "rdma_capacity must be >= kRdmaSenderWarps + 2 * rdma_chunk - 2: a blocked sender may face a round "
                "of unreleased records, a chunk of unsent ones and a chunk of consumed but unreleased slots";
-    if (hidden_bytes <= 0 || hidden_bytes % 16 != 0) return "hidden bytes must be a positive multiple of 16";
-    if (num_topk < 1 || num_topk > kMaxTopk) return "num_topk must be in [1, kMaxTopk]";
-    if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
-        return "experts per rank must be in [1, kMaxLocalExperts]";
-    return nullptr;
+    return validate_rows(hidden_bytes, num_topk, num_local_experts);
 }
 
 }  // namespace ep

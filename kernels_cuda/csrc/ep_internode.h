@@ -24,13 +24,7 @@ static_assert(kInternodeCombineWarps >= kMaxNvlPeers + kRdmaReceiverWarps + 1 &&
 // Dispatch record: payload | scales | meta {source token, source node, GPU bitmask of the destination
 // node} | top-k ids (int32, global) | top-k weights. The same record travels both hops.
 EP_HD RecordLayout internode_dispatch_record(int hidden_bytes, int num_scales, int num_topk) {
-    RecordLayout r;
-    r.scales_offset = hidden_bytes;
-    r.src_offset = r.scales_offset + num_scales * 4;
-    r.idx_offset = r.src_offset + 12;
-    r.weights_offset = r.idx_offset + num_topk * 4;
-    r.bytes = static_cast<int>(align_up(r.weights_offset + num_topk * 4, kRecordAlign));
-    return r;
+    return dispatch_record_with_meta(hidden_bytes, num_scales, 12, num_topk);
 }
 
 // RDMA channel meta (ints of one (channel, node) entry, all -v-1 encoded): this channel's range in the

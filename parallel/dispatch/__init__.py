@@ -26,8 +26,7 @@ from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Ex
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
 from parallel.dispatch.deepep import deepep_unavailable, make_deepep_dispatcher
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
-from kernels_cuda.config import Config
-from kernels_cuda.internode_config import InternodeConfig
+from kernels_cuda.config import Config, InternodeConfig
 from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
 from parallel.topology import Topology, TopologyError, read_launch_env
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels_cuda.config import Config
-from kernels_cuda.internode_config import InternodeConfig
+from kernels_cuda.config import Config, InternodeConfig
 from parallel.dispatch.native import BufferSizes, NativeDispatcher
 
 NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS: GPUs per node

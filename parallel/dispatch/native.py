@@ -31,8 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels_cuda.config import Config
-from kernels_cuda.internode_config import InternodeConfig
+from kernels_cuda.config import Config, InternodeConfig
 from model.dispatcher import Layout
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
 from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3

@@ -13,7 +13,7 @@ import torch
 import kernels_cuda
 from kernels_cuda import build, constants
 from kernels_cuda.compile_check import parse_ptxas
-from kernels_cuda.config import Config, validate
+from kernels_cuda.config import Config, InternodeConfig, validate, validate_internode
 
 CPU_TORCH = torch.version.cuda is None
 
@@ -95,15 +95,26 @@ GRID = list(itertools.product([1, 10, 65], [0, 1, 6, 300], [4, 256], [1, 2, 5, 8
                               [1, 2000], [0, 1 << 20, 1 << 30]))
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
-def test_python_config_mirror_matches_the_header(tmp_path):
-    probe = tmp_path / "probe"
-    src = build.CSRC / "host" / "config_probe.cpp"
-    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(probe)], check=True)
-    lines = "\n".join(" ".join(map(str, case)) for case in GRID)
-    out = subprocess.run([str(probe)], input=lines, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(out) == len(GRID)
-    for case, line in zip(GRID, out):
+@pytest.fixture(scope="module")
+def config_probe(tmp_path_factory):
+    """Runs csrc/host/config_probe.cpp (compiled once) in a mode over a grid of cases: its answer lines."""
+    if shutil.which("g++") is None:
+        pytest.skip("no host C++ compiler")
+    probe = tmp_path_factory.mktemp("probe") / "config_probe"
+    subprocess.run(["g++", "-std=c++17", "-O1", str(build.CSRC / "host" / "config_probe.cpp"), "-o", str(probe)],
+                   check=True)
+
+    def run(mode: str, grid: list[tuple[int, ...]]) -> list[str]:
+        lines = "\n".join(" ".join(map(str, case)) for case in grid)
+        out = subprocess.run([str(probe), mode], input=lines, capture_output=True, text=True, check=True).stdout
+        assert len(out.splitlines()) == len(grid)
+        return out.splitlines()
+
+    return run
+
+
+def test_python_config_mirror_matches_the_header(config_probe):
+    for case, line in zip(GRID, config_probe("intranode", GRID)):
         channels, chunk, capacity, ranks, hidden, topk, local_experts, buffer_size = case
         problem = validate(channels, chunk, capacity, ranks, hidden, topk, local_experts, buffer_size)
         if problem is None:
@@ -142,18 +153,9 @@ INTERNODE_GRID = list(itertools.product([1, 65], [0, 1, 6, 300], [4, 288, 290], 
                                         [1, 2, 4, 17], [1, 8, 9], [256, 100], [8], [1, 2000]))
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
-def test_python_internode_config_mirror_matches_the_header(tmp_path):
-    from kernels_cuda.internode_config import InternodeConfig, validate_internode
-
-    probe = tmp_path / "probe"
-    src = build.CSRC / "host" / "internode_config_probe.cpp"
-    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(probe)], check=True)
-    lines = "\n".join(" ".join(map(str, case)) for case in INTERNODE_GRID)
-    out = subprocess.run([str(probe)], input=lines, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(out) == len(INTERNODE_GRID)
+def test_python_internode_config_mirror_matches_the_header(config_probe):
     verdicts = set()
-    for case, line in zip(INTERNODE_GRID, out):
+    for case, line in zip(INTERNODE_GRID, config_probe("internode", INTERNODE_GRID)):
         problem = validate_internode(*case)
         if problem is None:
             channels, nvl_chunk, nvl_capacity, rdma_chunk, rdma_capacity, nodes, gpus, hidden, topk, _ = case

@@ -12,7 +12,7 @@ import torch
 
 import kernels_cuda
 from kernels_cuda import constants
-from kernels_cuda.internode_config import InternodeConfig
+from kernels_cuda.config import InternodeConfig
 from kernels_cuda.rank_views import rank_views
 from moe_train.config import ConfigError, load_config
 from moe_train.train import EXIT_BAD_INPUT, choose_dispatcher, main

@@ -1,132 +1,74 @@
-// Host side of kernels_cuda._C (torch extension; kernels_cuda._C_cpu in the CPU emulation build):
-// owns the communication buffer(s), the host-mapped counters and error record, exchanges CUDA IPC
-// handles, validates configurations (ep_config.h) and fills the kernels' parameter blocks from
-// per-rank dicts of tensors. Every op takes a list with one dict per rank of the launch: all ranks
-// (EMULATED) or this rank (NVLINK).
+// Host side of kernels_cuda._C (torch extension; kernels_cuda._C_cpu in the CPU emulation build): the
+// module, and its intranode Runtime. Runtime owns every rank's communication buffer as this process
+// addresses it (one rank per process, the peers' buffers mapped through CUDA IPC; or every rank
+// emulated in one process), validates intranode configurations (ep_config.h) and fills the kernels'
+// parameter blocks from per-rank dicts of tensors. Every op takes a list with one dict per rank of the
+// launch: all ranks (emulated) or this rank (NVLink). What it shares with the internode runtimes
+// (host/internode_runtime.cpp) is RuntimeCore (runtime_common.h) and RankRegions (rank_regions.h).
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
-#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "../ep_diag.h"
 #include "../ep_params.h"
-#include "device_api.h"
 #include "internode_runtime.h"
-#include "ipc.h"
+#include "rank_regions.h"
+#include "runtime_common.h"
 #include "tensor_args.h"
-
-namespace py = pybind11;
-
-std::vector<at::Tensor> dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks, int ranks_per_node,
-                                        cudaStream_t stream) {
-    TORCH_CHECK(on_launch_device(topk_idx) && topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong &&
-                    topk_idx.is_contiguous(),
-                "kernels_cuda: topk_idx must be a contiguous int64 [N, K] tensor on the ", kLaunchDevice);
-    TORCH_CHECK(num_experts % num_ranks == 0 && num_ranks % ranks_per_node == 0,
-                "kernels_cuda: experts must split evenly over ranks, ranks over nodes");
-    const DeviceGuard guard(topk_idx.device());
-    auto ints = topk_idx.options().dtype(at::kInt);
-    auto per_rank = at::empty({num_ranks}, ints);
-    auto per_node = at::empty({num_ranks / ranks_per_node}, ints);
-    auto per_expert = at::empty({num_experts}, ints);
-    auto in_rank = at::empty({topk_idx.size(0), num_ranks}, topk_idx.options().dtype(at::kBool));
-    ep::LayoutParams p{topk_idx.data_ptr<int64_t>(), static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)),
-                       num_experts, num_ranks, ranks_per_node, per_rank.data_ptr<int>(), per_node.data_ptr<int>(),
-                       per_expert.data_ptr<int>(), in_rank.data_ptr<bool>()};
-    check_cuda(ep::launch_get_dispatch_layout(p, stream), "get_dispatch_layout");
-    return {per_rank, per_node, per_expert, in_rank};
-}
 
 namespace {
 
-class Runtime {
+class Runtime final : public RuntimeCore {
    public:
     Runtime(int rank, int num_ranks, int64_t num_bytes, bool emulated)
-        : rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), emulated_(emulated) {
-        TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
-                    ep::kMaxRanks, "]");
-        TORCH_CHECK(num_bytes % ep::kBufferAlign == 0, "kernels_cuda: buffer bytes must be a multiple of ",
-                    ep::kBufferAlign);
-        const int64_t total = emulated ? num_bytes * num_ranks : num_bytes;
-        check_cuda(cudaMalloc(&base_, total), "cudaMalloc(buffer)");
-        check_cuda(cudaMemset(base_, 0, total), "cudaMemset(buffer)");
-        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");  // zeroed before any peer maps it
-        for (int r = 0; r < ep::kMaxRanks; ++r) peers_[r] = nullptr;
-        if (emulated) {
-            for (int r = 0; r < num_ranks; ++r) peers_[r] = static_cast<uint8_t*>(base_) + r * num_bytes;
-        } else {
-            peers_[rank] = static_cast<uint8_t*>(base_);
-            stream_.set_peers_in_other_processes();
-        }
-        check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&recv_counter_), sizeof(int) * ep::kMaxRanks, cudaHostAllocMapped),
-                   "cudaHostAlloc(counters)");
-        check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&recv_expert_counter_),
-                                 sizeof(int) * ep::kMaxRanks * ep::kMaxLocalExperts, cudaHostAllocMapped),
-                   "cudaHostAlloc(expert counters)");
-        check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&error_), sizeof(ep::ErrorRecord), cudaHostAllocMapped),
-                   "cudaHostAlloc(error record)");
-        std::memset(error_, 0, sizeof(ep::ErrorRecord));
-        check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_recv_counter_), recv_counter_, 0), "mapped counter");
-        check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_recv_expert_counter_), recv_expert_counter_, 0),
-                   "mapped expert counter");
-        check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d_error_), error_, 0), "mapped error record");
+        : RuntimeCore(checked_world(num_ranks, num_bytes), rank,
+                      emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink),
+          num_bytes_(num_bytes),
+          buffers_("buffer", num_ranks) {
+        if (emulated)
+            buffers_.allocate_all(num_bytes);
+        else
+            buffers_.allocate(rank, num_bytes);
     }
 
-    ~Runtime() {
-        destroy();
-        cudaFreeHost(recv_counter_);
-        cudaFreeHost(recv_expert_counter_);
-        cudaFreeHost(error_);
-    }
+    ~Runtime() override { destroy(); }
 
     // Unmaps the peers' buffers and frees this rank's (collective: the caller synchronises the ranks
     // first); the destructor calls it when the caller did not. Later ops fail naming the unmapped peer.
     void destroy() {
-        if (base_ == nullptr) return;
+        if (!buffers_.allocated()) return;
         cudaDeviceSynchronize();
-        for (int r = 0; r < num_ranks_; ++r) {
-            if (!emulated_ && r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
-            peers_[r] = nullptr;
-        }
-        cudaFree(base_);
-        base_ = nullptr;
+        buffers_.release();
     }
 
     py::bytes ipc_handle() const {
-        TORCH_CHECK(base_ != nullptr, "kernels_cuda: the buffer was destroyed");
-        return ipc_handle_of(base_);
+        require_alive();
+        return buffers_.ipc_handle();
     }
 
     void open_ipc_handles(const std::vector<py::bytes>& handles) {
-        TORCH_CHECK(!emulated_, "kernels_cuda: the emulated back end has no IPC peers");
-        TORCH_CHECK(static_cast<int>(handles.size()) == num_ranks_, "kernels_cuda: need one IPC handle per rank");
-        for (int r = 0; r < num_ranks_; ++r)
-            if (r != rank_) peers_[r] = open_ipc_handle(handles[r]);
-    }
-
-    std::vector<at::Tensor> get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, int num_ranks,
-                                                int ranks_per_node) {
-        return dispatch_layout(topk_idx, num_experts, num_ranks, ranks_per_node, stream_.get());
+        TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
+        require_alive();
+        TORCH_CHECK(static_cast<int>(handles.size()) == world_size_, "kernels_cuda: need one IPC handle per rank");
+        for (int r = 0; r < world_size_; ++r)
+            if (r != launch_rank_) buffers_.open(r, handles[r]);
     }
 
     // Counts exchange; resets this launch's mapped counters to -1 first.
     void notify_dispatch(const std::vector<py::dict>& ranks, int num_experts, int num_channels, int expert_alignment,
                          int64_t timeout_cycles) {
         ep::NotifyParams p{};
-        fill_common(ranks.size(), num_channels, 1, timeout_cycles, &p.num_launch_ranks, &p.num_ranks, &p.num_channels,
-                    &p.layout, &p.timeout_cycles, &p.error);
-        TORCH_CHECK(num_experts % num_ranks_ == 0 && num_experts / num_ranks_ <= ep::kMaxLocalExperts,
+        fill_common(p, ranks.size(), num_channels, 1, timeout_cycles, 16);
+        TORCH_CHECK(num_experts % world_size_ == 0 && num_experts / world_size_ <= ep::kMaxLocalExperts,
                     "kernels_cuda: bad number of experts");
         p.num_experts = num_experts;
         p.expert_alignment = expert_alignment;
         for (size_t i = 0; i < ranks.size(); ++i) {
             const py::dict& d = ranks[i];
             ep::NotifyRankArgs& a = p.ranks[i];
-            a.rank = d["rank"].cast<int>();
-            a.num_tokens = d["num_tokens"].cast<int>();
-            std::memcpy(a.peers, peers_for(a.rank), sizeof(a.peers));
+            fill_rank(a, d);
             a.num_tokens_per_rank = ptr<int>(d, "num_tokens_per_rank");
             a.num_tokens_per_expert = ptr<int>(d, "num_tokens_per_expert");
             a.is_token_in_rank = ptr<bool>(d, "is_token_in_rank");
@@ -135,55 +77,32 @@ class Runtime {
             // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
             // otherwise land after the next notify reset the counters and pass for its counts.
             if (!publishes_counts(d)) continue;
-            recv_counter_[i] = -1;
-            for (int e = 0; e < p.num_experts / num_ranks_; ++e) recv_expert_counter_[i * ep::kMaxLocalExperts + e] = -1;
-            a.recv_counter = d_recv_counter_ + i;
-            a.recv_expert_counter = d_recv_expert_counter_ + i * ep::kMaxLocalExperts;
+            const CountSlots slots = reset_counts(static_cast<int>(i), num_experts / world_size_);
+            a.recv_counter = slots.rows;
+            a.recv_expert_counter = slots.expert_rows;
         }
-        check_cuda(ep::launch_notify_dispatch(p, backend(), stream_.get()), "notify_dispatch");
+        check_cuda(ep::launch_notify_dispatch(p, backend_, stream_.get()), "notify_dispatch");
     }
 
-    // Host wait (with its own timeout) for the counts published by notify_dispatch: the total and every
-    // per-expert count, each reset to -1 by the notify (a weakly ordered host, e.g. aarch64, could
-    // otherwise read an expert count of the previous op after seeing this op's total).
+    // Per launch rank: (rows to receive, rows per local expert).
     std::vector<std::pair<int, std::vector<int>>> wait_recv_counts(int num_launch_ranks, int local_experts, double timeout_s) {
-        volatile int* counters = recv_counter_;
-        volatile int* experts = recv_expert_counter_;
-        const auto ready = [&](int i) {
-            if (counters[i] < 0) return false;
-            for (int e = 0; e < local_experts; ++e)
-                if (experts[i * ep::kMaxLocalExperts + e] < 0) return false;
-            return true;
-        };
-        wait_for_counts(num_launch_ranks, timeout_s, ready, [&] {
-            std::string text;
-            for (int j = 0; j < num_launch_ranks; ++j) text += std::to_string(counters[j]) + " ";
-            return "kernels_cuda: timeout waiting for the receive counts (dispatch CPU); counters: " + text +
-                   "(-1 = notify never finished); " + describe_error();
-        });
+        wait_counts(num_launch_ranks, local_experts, false, timeout_s);
         std::vector<std::pair<int, std::vector<int>>> out;
-        for (int i = 0; i < num_launch_ranks; ++i) {
-            std::vector<int> per_expert(local_experts);
-            for (int e = 0; e < local_experts; ++e) per_expert[e] = experts[i * ep::kMaxLocalExperts + e];
-            out.emplace_back(counters[i], per_expert);
-        }
+        for (int i = 0; i < num_launch_ranks; ++i) out.emplace_back(rows(i), expert_rows(i, local_experts));
         return out;
     }
 
     void cached_notify(const std::vector<py::dict>& ranks, int num_channels, int64_t timeout_cycles) {
         ep::CachedNotifyParams p{};
-        fill_common(ranks.size(), num_channels, 1, timeout_cycles, &p.num_launch_ranks, &p.num_ranks, &p.num_channels,
-                    &p.layout, &p.timeout_cycles, &p.error);
+        fill_common(p, ranks.size(), num_channels, 1, timeout_cycles, 16);
         for (size_t i = 0; i < ranks.size(); ++i) {
             const py::dict& d = ranks[i];
             ep::CachedNotifyRankArgs& a = p.ranks[i];
-            a.rank = d["rank"].cast<int>();
-            a.num_tokens = d["num_tokens"].cast<int>();
-            std::memcpy(a.peers, peers_for(a.rank), sizeof(a.peers));
+            fill_rank(a, d);
             a.send_head = ptr_or_null<int>(d, "send_head");
             a.channel_prefix_matrix = ptr<int>(d, "channel_prefix_matrix");
         }
-        check_cuda(ep::launch_cached_notify(p, backend(), stream_.get()), "cached_notify");
+        check_cuda(ep::launch_cached_notify(p, backend_, stream_.get()), "cached_notify");
     }
 
     void dispatch(const std::vector<py::dict>& ranks, const py::dict& s) {
@@ -192,9 +111,8 @@ class Runtime {
         const int num_scales = s["num_scales"].cast<int>();
         const int num_topk = s["num_topk"].cast<int>();
         p.record = ep::dispatch_record(hidden_bytes, num_scales, num_topk);
-        fill_common(ranks.size(), s["num_channels"].cast<int>(), s["capacity"].cast<int>(), s["timeout_cycles"].cast<int64_t>(),
-                    &p.num_launch_ranks, &p.num_ranks, &p.num_channels, &p.layout, &p.timeout_cycles, &p.error,
-                    p.record.bytes);
+        fill_common(p, ranks.size(), s["num_channels"].cast<int>(), s["capacity"].cast<int>(),
+                    s["timeout_cycles"].cast<int64_t>(), p.record.bytes);
         validate(s, hidden_bytes, num_topk);
         p.hidden_int4 = hidden_bytes / 16;
         p.num_scales = num_scales;
@@ -206,9 +124,7 @@ class Runtime {
         for (size_t i = 0; i < ranks.size(); ++i) {
             const py::dict& d = ranks[i];
             ep::DispatchRankArgs& a = p.ranks[i];
-            a.rank = d["rank"].cast<int>();
-            a.num_tokens = d["num_tokens"].cast<int>();
-            std::memcpy(a.peers, peers_for(a.rank), sizeof(a.peers));
+            fill_rank(a, d);
             a.x = ptr<void>(d, "x");
             a.x_scales = ptr_or_null<float>(d, "x_scales");
             a.scale_token_stride = d["scale_token_stride"].cast<int64_t>();
@@ -226,7 +142,7 @@ class Runtime {
             a.recv_channel_offset = ptr<int>(d, "recv_channel_offset");
             a.send_head = ptr<int>(d, "send_head");
         }
-        check_cuda(ep::launch_dispatch(p, backend(), stream_.get()), "dispatch");
+        check_cuda(ep::launch_dispatch(p, backend_, stream_.get()), "dispatch");
     }
 
     void combine(const std::vector<py::dict>& ranks, const py::dict& s) {
@@ -234,9 +150,8 @@ class Runtime {
         const int hidden_bytes = s["hidden_bytes"].cast<int>();
         const int num_topk = s["num_topk"].cast<int>();
         p.record = ep::combine_record(hidden_bytes, num_topk);
-        fill_common(ranks.size(), s["num_channels"].cast<int>(), s["capacity"].cast<int>(), s["timeout_cycles"].cast<int64_t>(),
-                    &p.num_launch_ranks, &p.num_ranks, &p.num_channels, &p.layout, &p.timeout_cycles, &p.error,
-                    p.record.bytes);
+        fill_common(p, ranks.size(), s["num_channels"].cast<int>(), s["capacity"].cast<int>(),
+                    s["timeout_cycles"].cast<int64_t>(), p.record.bytes);
         validate(s, hidden_bytes, num_topk);
         p.hidden_int4 = hidden_bytes / 16;
         p.num_topk = num_topk;
@@ -246,9 +161,7 @@ class Runtime {
         for (size_t i = 0; i < ranks.size(); ++i) {
             const py::dict& d = ranks[i];
             ep::CombineRankArgs& a = p.ranks[i];
-            a.rank = d["rank"].cast<int>();
-            a.num_tokens = d["num_tokens"].cast<int>();
-            std::memcpy(a.peers, peers_for(a.rank), sizeof(a.peers));
+            fill_rank(a, d);
             a.x = ptr<void>(d, "x");
             a.topk_weights = ptr_or_null<float>(d, "topk_weights");
             a.rank_prefix_matrix = ptr<int>(d, "rank_prefix_matrix");
@@ -257,66 +170,50 @@ class Runtime {
             a.combined_x = ptr<void>(d, "combined_x");
             a.combined_topk_weights = ptr_or_null<float>(d, "combined_topk_weights");
         }
-        check_cuda(ep::launch_combine(p, backend(), payload, stream_.get()), "combine");
-    }
-
-    std::vector<int> error_record() const {
-        const ep::ErrorRecord& e = *error_;
-        return {e.code, e.role, e.rank, e.channel, e.peer, e.head, e.tail, e.expected};
+        check_cuda(ep::launch_combine(p, backend_, payload, stream_.get()), "combine");
     }
 
     int64_t num_bytes() const { return num_bytes_; }
-    bool emulated() const { return emulated_; }
-    LaunchStream& launch_stream() { return stream_; }
+    bool emulated() const { return every_rank(); }
 
    private:
-    ep::Backend backend() const { return emulated_ ? ep::Backend::kEmulated : ep::Backend::kNvlink; }
-
-    uint8_t* const* peers_for(int rank) const {
-        TORCH_CHECK(emulated_ || rank == rank_, "kernels_cuda: an NVLINK buffer only launches its own rank");
-        for (int r = 0; r < num_ranks_; ++r)
-            TORCH_CHECK(peers_[r] != nullptr, "kernels_cuda: the buffer of rank ", r,
-                        " is not mapped here (open_ipc_handles not called, or the buffer was destroyed)");
-        return peers_;
+    static int checked_world(int num_ranks, int64_t num_bytes) {
+        TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
+                    ep::kMaxRanks, "]");
+        check_buffer_bytes(num_bytes);
+        return num_ranks;
     }
 
-    void fill_common(size_t launch_ranks, int num_channels, int capacity, int64_t timeout_cycles, int* num_launch_ranks,
-                     int* num_ranks, int* channels, ep::BufferLayout* layout, long long* timeout, ep::ErrorRecord** error,
-                     int record_bytes = 16) const {
-        TORCH_CHECK(launch_ranks >= 1 && static_cast<int>(launch_ranks) <= (emulated_ ? num_ranks_ : 1),
-                    "kernels_cuda: wrong number of ranks in this launch");
-        TORCH_CHECK(num_channels >= 1 && num_channels <= ep::kMaxChannels, "kernels_cuda: bad number of channels");
-        *num_launch_ranks = static_cast<int>(launch_ranks);
-        *num_ranks = num_ranks_;
-        *channels = num_channels;
-        *layout = ep::make_buffer_layout(num_ranks_, num_channels, capacity, record_bytes);
-        TORCH_CHECK(layout->total <= num_bytes_, "kernels_cuda: buffer too small: need ", layout->total, " bytes, have ",
-                    num_bytes_);
-        *timeout = timeout_cycles;
-        *error = d_error_;
+    void require_alive() const { TORCH_CHECK(buffers_.allocated(), "kernels_cuda: the buffer was destroyed"); }
+
+    // The launch fields (RuntimeCore::fill_launch), then the buffer layout for records of `record_bytes`.
+    template <typename Params>
+    void fill_common(Params& p, size_t launch_ranks, int num_channels, int capacity, int64_t timeout_cycles,
+                     int record_bytes) const {
+        fill_launch(p, launch_ranks, num_channels, timeout_cycles);
+        p.num_ranks = world_size_;
+        p.layout = ep::make_buffer_layout(world_size_, num_channels, capacity, record_bytes);
+        check_fits("buffer", p.layout.total, num_bytes_);
+    }
+
+    // What every rank's arguments have: its rank, tokens and every rank's buffer as this process sees it.
+    template <typename RankArgs>
+    void fill_rank(RankArgs& a, const py::dict& d) const {
+        a.rank = d["rank"].cast<int>();
+        a.num_tokens = d["num_tokens"].cast<int>();
+        check_launch_rank(a.rank);
+        for (int r = 0; r < world_size_; ++r) a.peers[r] = buffers_.at(r);
     }
 
     void validate(const py::dict& s, int hidden_bytes, int num_topk) const {
         const ep::IntranodeConfig cfg{s["num_channels"].cast<int>(), s["chunk"].cast<int>(), s["capacity"].cast<int>()};
-        const int local_experts = s.contains("num_experts") ? s["num_experts"].cast<int>() / num_ranks_ : 1;
-        const char* error = ep::validate_intranode(cfg, num_ranks_, hidden_bytes, num_topk, local_experts, 0);
+        const int local_experts = s.contains("num_experts") ? s["num_experts"].cast<int>() / world_size_ : 1;
+        const char* error = ep::validate_intranode(cfg, world_size_, hidden_bytes, num_topk, local_experts, 0);
         TORCH_CHECK(error == nullptr, "kernels_cuda: invalid config: ", error);
     }
 
-    std::string describe_error() const { return describe_timeout(*error_); }
-
-    LaunchStream stream_;
-    int rank_, num_ranks_;
-    int64_t num_bytes_;
-    bool emulated_;
-    void* base_ = nullptr;
-    uint8_t* peers_[ep::kMaxRanks];
-    int* recv_counter_ = nullptr;
-    int* recv_expert_counter_ = nullptr;
-    ep::ErrorRecord* error_ = nullptr;
-    int* d_recv_counter_ = nullptr;
-    int* d_recv_expert_counter_ = nullptr;
-    ep::ErrorRecord* d_error_ = nullptr;
+    const int64_t num_bytes_;
+    RankRegions buffers_;  // by rank
 };
 
 }  // namespace
@@ -325,7 +222,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "kernels_cuda: EP dispatch/combine kernels (see kernels_cuda/buffer.py, kernels_cuda/internode.py)";
     py::class_<Runtime> runtime(m, "Runtime");
     runtime.def(py::init<int, int, int64_t, bool>())
-        .def("get_dispatch_layout", &Runtime::get_dispatch_layout)
+        .def("get_dispatch_layout", &Runtime::dispatch_layout)
         .def("ipc_handle", &Runtime::ipc_handle)
         .def("open_ipc_handles", &Runtime::open_ipc_handles)
         .def("destroy", &Runtime::destroy)
@@ -334,12 +231,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("cached_notify", &Runtime::cached_notify)
         .def("dispatch", &Runtime::dispatch)
         .def("combine", &Runtime::combine)
-        .def("error_record", &Runtime::error_record)
         .def_property_readonly("num_bytes", &Runtime::num_bytes)
         .def_property_readonly("emulated", &Runtime::emulated);
+    bind_runtime_core(runtime);
 #if defined(EP_CPU_EMULATION)
-    runtime.def("set_schedule", [](Runtime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
-                                   int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
     m.attr("device") = "cpu";
 #else
     m.attr("device") = "cuda";
