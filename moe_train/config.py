@@ -18,6 +18,7 @@ import yaml
 
 from model.args import ModelArgs
 from parallel.pipeline.builders import SCHEDULES
+from parallel.pipeline.builders.zb_auto import parse_zb_costs
 
 PRECISIONS = ("fp32", "bf16")
 COMPILE_MODES = ("none", "regions", "model")
@@ -54,6 +55,8 @@ class ParallelConfig:
     comm_sms: int = 20  # SMs the native dispatch/combine kernels may use (2 per channel)
     overlap: bool = True  # FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
     nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
+    zb_memory_limit: Optional[float] = None  # zb-auto: live activations per rank, in stage micro-batches (default 2*pp-1)
+    zb_costs: Optional[str] = None  # zb-auto: "f,b,w[,comm]" per stage and micro-batch (default 1,1,1,0)
 
 
 @dataclass
@@ -314,6 +317,13 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
     if p.comm_sms < 2 or p.comm_sms % 2:
         problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
+    if p.zb_memory_limit is not None and not (math.isfinite(p.zb_memory_limit) and p.zb_memory_limit >= 1):
+        problems.append(("parallel.zb_memory_limit", f"must be a finite number >= 1, got {p.zb_memory_limit}"))
+    if p.zb_costs is not None:
+        try:
+            parse_zb_costs(p.zb_costs)
+        except ValueError as err:
+            problems.append(("parallel.zb_costs", str(err).removeprefix("zb_costs: ")))
     if not math.isfinite(p.timeout_s) or p.timeout_s <= 0:
         problems.append(("parallel.timeout_s", f"must be a finite number of seconds > 0, got {p.timeout_s}"))
     if config.logging.overwrite and c.resume != "none":

@@ -2,7 +2,7 @@
 
 Every builder has the signature ``(ranks, microbatches, virtual_stages=None, costs=None) ->
 Schedule``; ``virtual_stages`` is the number of stages per rank (None: the builder's default)
-and ``costs`` only matters for cost-driven builders (zb-h2). Builders reject unsupported sizes
+and ``costs`` only matters for cost-driven builders (zb-h2, zb-auto). Builders reject unsupported sizes
 with a ValueError whose message starts with the offending parameter's name.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ..ir import Schedule
 from ..timeline import Costs
 from .dualpipe import build_dualpipe, build_dualpipev
 from .one_f_one_b import build_1f1b, build_combined_1f1b, build_interleaved_1f1b
+from .zb_auto import build_zb_auto
 from .zbv import build_zbv
 from .zero_bubble import build_zb_h1, build_zb_h2
 
@@ -24,6 +25,7 @@ BUILDERS: dict[str, Builder] = {
     "interleaved-1f1b": build_interleaved_1f1b,
     "zb-h1": build_zb_h1,
     "zb-h2": build_zb_h2,
+    "zb-auto": build_zb_auto,
     "zbv": build_zbv,
     "dualpipe": build_dualpipe,
     "dualpipev": build_dualpipev,
@@ -54,6 +56,7 @@ __all__ = [
     "build_interleaved_1f1b",
     "build_zb_h1",
     "build_zb_h2",
+    "build_zb_auto",
     "build_zbv",
     "build_dualpipe",
     "build_dualpipev",

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..ir import Action, Placement, Schedule
-from ..timeline import Costs
+from ..timeline import Costs, simulate
 from .common import backward, check_sizes, forward, require, weight
 
 _EPS = 1e-9
@@ -61,24 +61,66 @@ def build_zb_h2(
     """ZB-H2 by list scheduling under a memory cap (default 2R-1 micro-batches in flight).
 
     Every rank, at its current time, runs the first of: a B whose gradient has arrived, an F
-    whose input has arrived and fits under the cap, a pending W when neither can become ready
-    before that W would finish; otherwise it waits for the next event.
-    The order depends on ``costs`` (default unit costs); with equal costs and M >= 2R-1 every
-    rank is busy from its first F to its last W. Requirements: ranks >= 1, microbatches >= 1,
-    virtual_stages 1, max_inflight >= 1.
+    whose input has arrived, that fits under the cap and that ends before the next B is expected
+    plus a slack, a pending W when nothing else is due before it would finish; otherwise it waits
+    for the next event. A greedy F can delay the next B, and through it every upstream stage;
+    how long an F may overrun that expected arrival is cost-dependent, so a few slacks
+    (``FORWARD_SLACKS``) are tried and the shortest simulated schedule is kept. With equal costs
+    and M >= 2R-1 every rank is busy from its first F to its last W. Requirements: ranks >= 1,
+    microbatches >= 1, virtual_stages 1, max_inflight >= 1.
     """
     check_sizes("zb-h2", ranks, microbatches, virtual_stages, 1)
     cap = 2 * ranks - 1 if max_inflight is None else max_inflight
     require(cap >= 1, "max_inflight", f"zb-h2 needs max_inflight >= 1, got {max_inflight}")
-    programs = _ListScheduler(ranks, microbatches, costs or Costs(), cap).run()
-    return Schedule("zb-h2", Placement("loop", ranks, ranks), microbatches, programs)
+    costs = costs or Costs()
+    candidates = [
+        Schedule("zb-h2", Placement("loop", ranks, ranks), microbatches, programs)
+        for programs in list_schedules(ranks, microbatches, costs, cap, freed_by_b=0.0)
+    ]
+    return shortest(candidates, costs)
+
+
+FORWARD_SLACKS: tuple[float, ...] = (math.inf, 0.0, 0.5, 1.0)
+"""How far (in units of F's cost) an F may end after the next B's expected arrival; inf is the
+greedy rule (any F that fits runs while the B is not there)."""
+
+
+def list_schedules(
+    ranks: int, microbatches: int, costs: Costs, limit: float, freed_by_b: float
+) -> list[tuple[tuple[Action, ...], ...]]:
+    """One program set per forward slack, each rank's activations under ``limit`` (F allocates
+    1, B frees ``freed_by_b``, W the rest; ZB-H2 counts a micro-batch until its W, i.e. 0)."""
+    return [
+        _ListScheduler(ranks, microbatches, costs, limit, freed_by_b, slack * costs.f).run()
+        for slack in FORWARD_SLACKS
+    ]
+
+
+def shortest(candidates: Sequence[Schedule], costs: Costs) -> Schedule:
+    """The candidate with the least simulated makespan, then the least idle inside rank spans;
+    ties keep the earlier candidate."""
+
+    def score(schedule: Schedule) -> tuple[float, float]:
+        timeline = simulate(schedule, costs)
+        return round(timeline.makespan, 9), round(sum(timeline.span_bubble), 9)
+
+    return min(candidates, key=score)
 
 
 class _ListScheduler:
     """Greedy time-driven scheduler behind ZB-H2 (loop placement, one stage per rank)."""
 
-    def __init__(self, ranks: int, microbatches: int, costs: Costs, cap: int) -> None:
-        self.ranks, self.microbatches, self.costs, self.cap = ranks, microbatches, costs, cap
+    def __init__(
+        self,
+        ranks: int,
+        microbatches: int,
+        costs: Costs,
+        limit: float,
+        freed_by_b: float,
+        forward_slack: float,
+    ) -> None:
+        self.ranks, self.microbatches, self.costs = ranks, microbatches, costs
+        self.limit, self.freed_by_b, self.forward_slack = limit, freed_by_b, forward_slack
         self.clock = [0.0] * ranks
         self.next_f = [0] * ranks
         self.next_b = [0] * ranks
@@ -100,8 +142,14 @@ class _ListScheduler:
     def _finished(self, r: int) -> bool:
         return self.next_b[r] == self.microbatches and not self.pending[r]
 
-    def _inflight(self, r: int) -> int:
-        return self.next_f[r] - (self.next_b[r] - len(self.pending[r]))
+    def _live(self, r: int) -> float:
+        """Activations held by rank r (see ``list_schedules``)."""
+        weights_done = self.next_b[r] - len(self.pending[r])
+        return (
+            self.next_f[r]
+            - self.next_b[r] * self.freed_by_b
+            - weights_done * (1.0 - self.freed_by_b)
+        )
 
     def _b_ready(self, r: int) -> tuple[float, float]:
         """(known ready time or inf, lower bound) of rank r's next B."""
@@ -117,7 +165,7 @@ class _ListScheduler:
 
     def _f_ready(self, r: int) -> tuple[float, float]:
         m = self.next_f[r]
-        if m >= self.microbatches or self._inflight(r) >= self.cap:
+        if m >= self.microbatches or self._live(r) + 1.0 > self.limit + _EPS:
             return math.inf, math.inf
         if r == 0:
             return 0.0, 0.0
@@ -126,29 +174,65 @@ class _ListScheduler:
             return t, t
         return math.inf, self.clock[r - 1] + self.costs.f + self.costs.comm
 
+    def _expected_b(self, r: int) -> float:
+        """When rank r's next B gradient should arrive if every later stage runs it first."""
+        m = self.next_b[r]
+        if m >= self.next_f[r]:
+            return math.inf
+        if r == self.ranks - 1:
+            return self.f_done[r][m]
+        if m < len(self.b_done[r + 1]):
+            return self.b_done[r + 1][m] + self.costs.comm
+        below = r + 1
+        if below == self.ranks - 1:
+            arrival = self._expected_f_done(below, m)
+        else:
+            arrival = self._expected_b(below)
+        return max(self.clock[below], arrival) + self.costs.b + self.costs.comm
+
+    def _expected_f_done(self, r: int, m: int) -> float:
+        """When F(r, m) should end if every stage runs its forwards back to back."""
+        if m < len(self.f_done[r]):
+            return self.f_done[r][m]
+        arrival = 0.0 if r == 0 else self._expected_f_done(r - 1, m) + self.costs.comm
+        queued = m - self.next_f[r] + 1
+        return max(self.clock[r], arrival) + queued * self.costs.f
+
     def _step(self, r: int) -> bool:
         now = self.clock[r]
         b_at, b_bound = self._b_ready(r)
         f_at, f_bound = self._f_ready(r)
         if b_at <= now + _EPS:
-            self._run(r, backward(r, self.next_b[r], split=True), self.costs.b)
-            self.b_done[r].append(self.clock[r])
-            self.pending[r].append(self.next_b[r])
-            self.next_b[r] += 1
+            self._run_backward(r)
             return True
-        if f_at <= now + _EPS:
-            self._run(r, forward(r, self.next_f[r]), self.costs.f)
-            self.f_done[r].append(self.clock[r])
-            self.next_f[r] += 1
+        b_due = b_bound if math.isinf(self.forward_slack) else self._expected_b(r)
+        f_held = now + self.costs.f > b_due + self.forward_slack + _EPS
+        if f_at <= now + _EPS and not f_held:
+            self._run_forward(r)
             return True
-        if self.pending[r] and min(b_bound, f_bound) >= now + self.costs.w - _EPS:
+        f_due = math.inf if f_held else f_bound
+        if self.pending[r] and min(b_due, f_due) >= now + self.costs.w - _EPS:
             self._run(r, weight(r, self.pending[r].popleft()), self.costs.w)
             return True
-        later = [t for t in (b_at, f_at, b_bound, f_bound) if now + _EPS < t < math.inf]
-        if not later:
-            return False
-        self.clock[r] = min(later)
-        return True
+        later = [t for t in (b_at, f_at, b_bound, f_bound, b_due) if now + _EPS < t < math.inf]
+        if later:
+            self.clock[r] = min(later)
+            return True
+        if f_at <= now + _EPS:  # held back for a B that nothing can deliver before it
+            self._run_forward(r)
+            return True
+        return False
+
+    def _run_forward(self, r: int) -> None:
+        self._run(r, forward(r, self.next_f[r]), self.costs.f)
+        self.f_done[r].append(self.clock[r])
+        self.next_f[r] += 1
+
+    def _run_backward(self, r: int) -> None:
+        self._run(r, backward(r, self.next_b[r], split=True), self.costs.b)
+        self.b_done[r].append(self.clock[r])
+        self.pending[r].append(self.next_b[r])
+        self.next_b[r] += 1
 
     def _run(self, r: int, action: Action, cost: float) -> None:
         self.programs[r].append(action)

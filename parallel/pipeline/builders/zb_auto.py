@@ -1,0 +1,71 @@
+"""zb-auto: the Zero Bubble paper's automatic scheduling, a heuristic search under a memory limit.
+
+Given F, B, W and communication costs and a limit on each rank's live activations (in one
+stage's activations of one micro-batch; F allocates 1, B frees ``Costs.mem_b``, W the rest), it
+builds several candidate schedules and keeps the one with the shortest simulated makespan:
+the ZB-H2 list scheduler at the limit (under the costs' own memory model, each forward slack of
+``FORWARD_SLACKS``), ZB-H2 counted in whole micro-batches in flight, and ZB-H1 when its peak fits.
+The search is therefore never worse than ZB-H1 or ZB-H2 at the same limit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from ..ir import Placement, Schedule
+from ..timeline import Costs, simulate
+from .common import check_sizes, require
+from .zero_bubble import build_zb_h1, build_zb_h2, list_schedules, shortest
+
+_EPS = 1e-9
+
+
+def default_memory_limit(ranks: int) -> float:
+    """ZB-H2's cap: stage 0 keeps 2p-1 micro-batches so it never waits for the first B."""
+    return float(2 * ranks - 1)
+
+
+def build_zb_auto(
+    ranks: int,
+    microbatches: int,
+    virtual_stages: Optional[int] = None,
+    costs: Optional[Costs] = None,
+    memory_limit: Optional[float] = None,
+) -> Schedule:
+    """The shortest candidate (see the module docstring) whose peak fits ``memory_limit``
+    (default ``default_memory_limit``). Requirements: ranks >= 1, microbatches >= 1,
+    virtual_stages 1, memory_limit >= 1 (one forward's activations)."""
+    check_sizes("zb-auto", ranks, microbatches, virtual_stages, 1)
+    limit = default_memory_limit(ranks) if memory_limit is None else float(memory_limit)
+    require(limit >= 1.0, "memory_limit", f"zb-auto needs memory_limit >= 1, got {memory_limit}")
+    costs = costs or Costs()
+    placement = Placement("loop", ranks, ranks)
+    candidates = [
+        Schedule("zb-auto", placement, microbatches, programs)
+        for programs in list_schedules(ranks, microbatches, costs, limit, costs.mem_b)
+    ]
+    handcrafted = [build_zb_h2(ranks, microbatches, None, costs, max_inflight=math.floor(limit))]
+    handcrafted.append(build_zb_h1(ranks, microbatches, None, costs))
+    candidates += [
+        Schedule("zb-auto", placement, microbatches, schedule.programs)
+        for schedule in handcrafted
+        if max(simulate(schedule, costs).peak_activations) <= limit + _EPS
+    ]
+    return shortest(candidates, costs)
+
+
+def parse_zb_costs(text: str) -> Costs:
+    """``parallel.zb_costs``: "f,b,w,comm" (per stage and micro-batch; comm may be left out)."""
+    parts = [part.strip() for part in text.split(",")]
+    require(len(parts) in (3, 4), "zb_costs", f"expected 'f,b,w[,comm]', got {text!r}")
+    try:
+        values = [float(part) for part in parts]
+    except ValueError:
+        raise ValueError(f"zb_costs: expected numbers in 'f,b,w[,comm]', got {text!r}") from None
+    require(all(math.isfinite(v) for v in values), "zb_costs", f"must be finite, got {text!r}")
+    f, b, w = values[:3]
+    comm = values[3] if len(values) == 4 else 0.0
+    try:
+        return Costs(f=f, b=b, w=w, comm=comm)
+    except ValueError as err:
+        raise ValueError(f"zb_costs: {err}") from None
