@@ -19,6 +19,7 @@ import yaml
 from model.args import ModelArgs
 from parallel.pipeline.builders import SCHEDULES
 from parallel.pipeline.builders.zb_auto import parse_zb_costs
+from parallel.pipeline.timeline import Costs
 
 PRECISIONS = ("fp32", "bf16")
 COMPILE_MODES = ("none", "regions", "model")
@@ -324,6 +325,9 @@ def validate(config: Config) -> list[tuple[str, str]]:
             parse_zb_costs(p.zb_costs)
         except ValueError as err:
             problems.append(("parallel.zb_costs", str(err).removeprefix("zb_costs: ")))
+    for key in ("zb_memory_limit", "zb_costs"):
+        if getattr(p, key) is not None and p.schedule != "zb-auto":
+            problems.append((f"parallel.{key}", f"applies to parallel.schedule=zb-auto only, got {p.schedule!r}"))
     if not math.isfinite(p.timeout_s) or p.timeout_s <= 0:
         problems.append(("parallel.timeout_s", f"must be a finite number of seconds > 0, got {p.timeout_s}"))
     if config.logging.overwrite and c.resume != "none":
@@ -344,3 +348,10 @@ def to_dict(config: Config) -> dict:
 def to_yaml(config: Config) -> str:
     """The resolved configuration as YAML that `load_config` reads back to an equal Config."""
     return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def zb_search(parallel: ParallelConfig) -> tuple[Costs | None, float | None]:
+    """(costs, memory limit) of zb-auto's search from `parallel.zb_costs` / `zb_memory_limit` (None: the
+    builder's defaults); other schedules take neither."""
+    costs = parse_zb_costs(parallel.zb_costs) if parallel.zb_costs is not None else None
+    return costs, parallel.zb_memory_limit

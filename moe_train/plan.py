@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from model.flops import count_parameters
-from moe_train.config import Config, ConfigError, load_config
+from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
 from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
     rank_parameters
@@ -107,7 +107,8 @@ def _schedule(config: Config, dp: int) -> Schedule:
     if p.pp == 1:
         return build("1f1b", 1, microbatches)
     try:
-        return build(p.schedule, p.pp, microbatches, p.virtual_stages if p.virtual_stages > 1 else None)
+        return build(p.schedule, p.pp, microbatches, p.virtual_stages if p.virtual_stages > 1 else None,
+                     *zb_search(p))
     except ValueError as err:
         raise ConfigError([("parallel.schedule", f"{p.schedule} over pp={p.pp} with {microbatches} micro-batches "
                                                  f"per step (global batch / (micro-batch x dp={dp})): {err}")]) from None

@@ -24,7 +24,7 @@ from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iteration, load_checkpoint, resolve_resume,
                                   save_checkpoint)
-from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml
+from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml, zb_search
 from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.optim import build_optimizer, set_learning_rate
@@ -105,7 +105,7 @@ def plan_pipeline(config: Config, dp: int) -> tuple[LoweredSchedule, list[StageS
     try:
         return pipeline_plan(config.model, p.pp, p.schedule, microbatches,
                              p.virtual_stages if p.virtual_stages > 1 else None, p.pipeline_layout,
-                             p.first_stage_layers, p.last_stage_layers)
+                             p.first_stage_layers, p.last_stage_layers, *zb_search(p))
     except ValueError as err:
         raise ConfigError([("parallel", f"schedule {p.schedule} on pp={p.pp} with {microbatches} micro-batches "
                                         f"per step: {err}")]) from None

@@ -26,14 +26,17 @@ from .plan import plan
 from .replicas import PipelineReplicas
 from .runtime import PipelineRuntime
 from .stage import StageSpec, build_stages, stage_specs
+from .timeline import Costs
 from .wgrad import WeightGradStore, split_backward, zero_grad_buffers
 
 
 def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, virtual_stages: Optional[int] = None,
                   layout: Optional[str] = None, first_stage_layers: Optional[int] = None,
-                  last_stage_layers: Optional[int] = None) -> tuple[LoweredSchedule, list[StageSpec]]:
-    """The lowered schedule and the stage cut; ValueError names what does not fit."""
-    lowered = plan(schedule, pp, microbatches, virtual_stages)
+                  last_stage_layers: Optional[int] = None, costs: Optional[Costs] = None,
+                  memory_limit: Optional[float] = None) -> tuple[LoweredSchedule, list[StageSpec]]:
+    """The lowered schedule and the stage cut; ValueError names what does not fit. `costs` and
+    `memory_limit` feed the cost-driven builders (zb-auto's search)."""
+    lowered = plan(schedule, pp, microbatches, virtual_stages, costs, memory_limit)
     specs = stage_specs(args, lowered.schedule.num_stages, layout, first_stage_layers, last_stage_layers)
     return lowered, specs
 

@@ -104,3 +104,21 @@ def test_config_accepts_zb_auto():
         ["parallel.schedule=zb-auto", "parallel.zb_memory_limit=3", "parallel.zb_costs=1,1.2,0.8,0.1"],
     )
     assert (config.parallel.zb_memory_limit, config.parallel.zb_costs) == (3.0, "1,1.2,0.8,0.1")
+
+
+def test_the_trainer_and_the_planner_build_zb_auto_from_the_config():
+    from moe_train.plan import _schedule
+    from moe_train.train import plan_pipeline
+
+    sets = ["parallel.pp=2", "parallel.schedule=zb-auto", "parallel.zb_costs=1,1.5,0.5,0.1",
+            "parallel.zb_memory_limit=2.5", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    config = load_config("moe_train/configs/tiny.yaml", sets)
+    want = build_zb_auto(2, 8, None, Costs(f=1, b=1.5, w=0.5, comm=0.1), 2.5)
+    lowered, _ = plan_pipeline(config, dp=1)
+    assert lowered.schedule.programs == want.programs
+    assert _schedule(config, dp=1).programs == want.programs
+    default = build_zb_auto(2, 8)
+    assert default.programs != want.programs  # the settings changed the search
+    with pytest.raises(ConfigError, match="applies to parallel.schedule=zb-auto only"):
+        load_config("moe_train/configs/tiny.yaml", ["parallel.pp=2", "parallel.schedule=zb-h1",
+                                                    "parallel.zb_memory_limit=3"])

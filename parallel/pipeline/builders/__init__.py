@@ -40,10 +40,16 @@ def build(
     microbatches: int,
     virtual_stages: Optional[int] = None,
     costs: Optional[Costs] = None,
+    memory_limit: Optional[float] = None,
 ) -> Schedule:
-    """Build the named schedule's compute-only programs."""
+    """Build the named schedule's compute-only programs; `memory_limit` (live activations per rank, in
+    stage micro-batches) is zb-auto's search limit and applies to it only."""
     if name not in BUILDERS:
         raise ValueError(f"schedule: unknown {name!r}, choose one of {', '.join(SCHEDULES)}")
+    if memory_limit is not None:
+        if name != "zb-auto":
+            raise ValueError(f"schedule: memory_limit applies to zb-auto only, not {name!r}")
+        return build_zb_auto(ranks, microbatches, virtual_stages, costs, memory_limit)
     return BUILDERS[name](ranks, microbatches, virtual_stages, costs)
 
 
