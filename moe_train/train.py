@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, device_type,
                                seed_everything, select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
+from moe_train.stop import StopRequest, ignore_stop_signals
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.pipeline.ir import LoweredSchedule
@@ -127,9 +127,10 @@ def non_finite_part(record: dict[str, float]) -> str | None:
 
 
 class Trainer:
-    def __init__(self, config: Config, topology: Topology | None = None) -> None:
+    def __init__(self, config: Config, topology: Topology | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = config
         self.topology = topology
+        self.stop = stop if stop is not None else StopRequest()  # main's handles the signals; a new one is never signalled
         dispatcher_name = choose_dispatcher(config, topology)  # before any work: a backend that cannot run fails now
         self.is_logger = topology is None or topology.rank == 0
         configure_threads(config.train)
@@ -166,7 +167,6 @@ class Trainer:
         self.step = 0
         self.consecutive_skips = 0
         self.skipped_since_log = 0
-        self.stop_signal: int | None = None
         self._resume()
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
                                     tensorboard=config.logging.tensorboard, resume_step=self.step)
@@ -237,7 +237,9 @@ class Trainer:
                 (out.loss * scale).backward()
             sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
-        return dict(zip(parts, (self.grads.sum_over_dp(sums) / dp).unbind()))
+        reduced = self.grads.sum_over_dp(self.stop.with_vote(sums))  # pp 1: dp spans every rank
+        self.stop.count(reduced[-1])
+        return dict(zip(parts, (reduced[:-1] / dp).unbind()))
 
     def _pipeline_forward_backward(self, micro_batches: list[torch.Tensor],
                                    mtp_scale: float) -> dict[str, torch.Tensor]:
@@ -247,9 +249,10 @@ class Trainer:
         self.pipeline.model.mtp_loss_scale = mtp_scale
         batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
         with aux_loss_grad_scale(scale):
-            sums = self.pipeline.step(batches, scale, sync=self.grads)
-        dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica
-        lm_loss, mtp_loss, aux_loss = (sums / self.topology.dp).unbind()
+            sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads))
+        dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica, each rank's vote
+        self.stop.count(sums[-1])
+        lm_loss, mtp_loss, aux_loss = (sums[:-1] / self.topology.dp).unbind()
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
                 "aux_loss": aux_loss}
 
@@ -335,13 +338,10 @@ class Trainer:
         dist.all_reduce(total)
         return total.item() / iters
 
-    def _on_signal(self, signum: int, _frame) -> None:
-        self.stop_signal = signum
-
     def train(self) -> int:
+        """Train to `train.steps`, or to the step after which the ranks agree to stop (`moe_train.stop`):
+        either way every rank saves the same step. Returns the exit status."""
         cfg = self.cfg
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, self._on_signal)
         self.model.train()
         self.logger.info(f"training {cfg.train.steps} steps from step {self.step} on {self.device} "
                          f"({cfg.train.precision}); logs in {self.run_dir}")
@@ -351,12 +351,14 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 pending.append(self.train_step())
+                votes = self.stop.agreed()
+                stop = votes > 0
                 evaluate = bool(cfg.train.eval_interval and self.valid_data is not None
                                 and self.step % cfg.train.eval_interval == 0)
                 log = evaluate or self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps
                 save = bool(cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
-                if not (log or save or self.stop_signal is not None):
-                    continue  # the metrics stay on the device until the next log, checkpoint or signal
+                if not (log or save or stop):
+                    continue  # the metrics stay on the device until the next log, checkpoint or stop
                 records = read_metrics(pending)
                 pending = []
                 self._count_skips(records)
@@ -365,12 +367,12 @@ class Trainer:
                 if log:
                     tokens = cfg.train.global_batch_size * cfg.train.seq_length * len(records)
                     self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, evaluate)
-                if save:
-                    self.save()
-                start = time.perf_counter()
-                if self.stop_signal is not None:
+                if save or stop:
                     path = self.save()
-                    self.logger.info(f"received {signal.Signals(self.stop_signal).name}: saved {path}, exiting")
+                start = time.perf_counter()
+                if stop:
+                    world = 1 if self.topology is None else self.topology.world_size
+                    self.logger.info(f"{self.stop.reason(votes, world)}: saved {path}, exiting")
                     return 0
             if not cfg.checkpoint.interval or self.step % cfg.checkpoint.interval:
                 self.save()
@@ -452,8 +454,17 @@ def refuse_what_cannot_fit(config: Config, topology: Topology | None) -> None:
         raise ConfigError(problems)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """Exit status of one training run. Stop signals (`moe_train.stop`) are noted by `stop` when given
+    (its handlers installed), else by handlers installed for this call."""
     args = parse_args(argv)
+    if stop is not None:
+        return run(args, stop)
+    with StopRequest().handling_signals() as stop:
+        return run(args, stop)
+
+
+def run(args: argparse.Namespace, stop: StopRequest) -> int:
     topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
@@ -467,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         choose_dispatcher(config, topology)  # a backend that cannot run fails before logging.dir is created
         refuse_what_cannot_fit(config, topology)
         lock = claim_on_rank_0(config, topology)
-        trainer = Trainer(config, topology)
+        trainer = Trainer(config, topology, stop)
     except RunDirError as err:  # rank 0's outcome, told once
         if topology is None or topology.rank == 0:
             print(f"error: {err}", file=sys.stderr)
@@ -490,4 +501,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main(stop=StopRequest().install())  # noted until the end, also while the process group closes
+    ignore_stop_signals()
+    sys.exit(status)

@@ -20,6 +20,9 @@
 # so the logs of successive jobs of one run sit side by side with its metrics and checkpoints.
 # Resume: checkpoint.resume defaults to auto, so submitting the same command again continues
 # from the latest checkpoint of the run.
+# Stop: SIGTERM, SIGUSR1 or Ctrl-C, to this launcher or to any one worker, stops every rank after
+# the same step, which they save; then everything exits 0 (torchrun runs as moe_train.torchrun,
+# which passes these signals on to its workers). A second Ctrl-C aborts without a save.
 #SBATCH --job-name=moe-train
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -93,7 +96,7 @@ if [ -n "$IN_SLURM" ]; then
     JOB_LOG_DIR=$LOG_ROOT/slurm-$SLURM_JOB_ID
     mkdir -p "$JOB_LOG_DIR"
     COMMAND=(srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
-        "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+        "$PYTHON" -m moe_train.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
         --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"
         -m moe_train.train --config "$CONFIG" "$@")
     {
@@ -109,5 +112,5 @@ fi
 if [ "$NPROC_PER_NODE" = 1 ]; then
     exec "$PYTHON" -m moe_train.train --config "$CONFIG" "$@"
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC_PER_NODE" \
+exec "$PYTHON" -m moe_train.torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" \
     -m moe_train.train --config "$CONFIG" "$@"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Sequence
 
 from moe_train.data.errors import DataError
 
@@ -43,7 +43,7 @@ def iter_documents(files: Sequence[Path], json_key: str = "text") -> Iterator[tu
         if is_jsonl(path):
             yield from _jsonl_documents(path, json_key)
         else:
-            data = path.read_bytes()
+            data = _read(path)
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -55,8 +55,22 @@ def iter_documents(files: Sequence[Path], json_key: str = "text") -> Iterator[tu
                 yield text, len(data)
 
 
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _open(path: Path) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}") from None
+
+
 def _jsonl_documents(path: Path, json_key: str) -> Iterator[tuple[str, int]]:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

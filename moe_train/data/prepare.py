@@ -24,6 +24,7 @@ from moe_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 
 _BATCH_DOCS = 256
 _BATCH_BYTES = 8 << 20
+EXIT_BAD_INPUT = 2  # as the trainer's: a bad argument, input or output, named in one line
 
 
 @dataclass
@@ -93,6 +94,9 @@ def prepare_dataset(
 ) -> PrepareResult:
     """Build ``<output_prefix>.bin/.idx`` from text files, folders and JSONL files."""
     prefix = os.fspath(output_prefix)
+    if not os.path.basename(prefix):
+        raise DataError(f"--output-prefix {prefix!r}: needs a file name, e.g. data/mycorpus for "
+                        "data/mycorpus.bin and .idx")
     files = expand_inputs(inputs, glob)
     total_bytes = sum(f.stat().st_size for f in files)
     tmp_tok = None
@@ -108,6 +112,9 @@ def prepare_dataset(
         progress = Progress(total_bytes, f"tokenizing into {prefix}", enabled=show_progress)
         try:
             write_dataset(iter_documents(files, json_key), tok, prefix, progress, tmp_tok)
+        except OSError as exc:  # the inputs' read errors are DataErrors by now
+            raise DataError(f"cannot write {prefix}.bin/.idx: {exc.strerror}"
+                            + (f" ({exc.filename})" if exc.filename else "")) from None
         finally:
             progress.close()
     finally:
@@ -145,9 +152,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.inputs, args.output_prefix, args.tokenizer, args.train_bpe, args.glob, args.json_key,
             show_progress=not args.quiet,
         )
-    except (DataError, ValueError, OSError) as exc:
+    except DataError as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # one not tied to a single input or the output, e.g. an unreadable folder
+        print(f"prepare_data: error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(
         f"wrote {result.prefix}.bin/.idx: {result.documents} documents, {result.tokens} tokens; "
         f"tokenizer {result.tokenizer}"

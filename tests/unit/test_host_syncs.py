@@ -1,7 +1,8 @@
 """The host-sync budget on CPU: the counter itself, the sync-free helpers against plain references,
 one MoE layer's forward+backward per dispatcher, and a single-process training step.
 
-The EP 2 x PP 2 training step is pinned in tests/distributed/test_host_syncs.py.
+The EP 2 x PP 2 training step is pinned in tests/distributed/test_host_syncs.py; the training loop's
+one read per step, of the stop vote (moe_train.stop), in tests/unit/test_stop.py.
 """
 from pathlib import Path
 

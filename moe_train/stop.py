@@ -1,0 +1,89 @@
+"""The agreed stop: SIGTERM, SIGUSR1 or SIGINT on any rank stops every rank after the same step.
+
+A signal handler only notes the signal in its own process. Each step, every rank appends its vote
+(1 once signalled, else 0) to the loss sums that the step all-reduces anyway, so the sum, the number
+of signalled ranks, is the same on every rank: all of them stop after the same step, save it
+together and exit 0. (A rank that decided alone could save step 5 while a peer signalled a moment
+later was already in step 6's collectives: a deadlock.) The vote costs one more float64 in an
+existing all-reduce and a host read that waits for that all-reduce only, not for the optimizer
+step queued after it.
+
+A second SIGINT (Ctrl-C twice) ends the process at once, without a save.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from types import FrameType
+from typing import Iterator
+
+import torch
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore stop signals from now on: for a process whose outcome is decided. Python's finalization
+    gives handled signals their default action back, so a late SIGTERM would end it by the signal."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+class StopRequest:
+    """This process's stop signal and the last step's vote count of all ranks."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first stop signal this process received
+        self._votes: torch.Tensor | None = None  # host copy of the last reduced vote count
+        self._votes_ready: torch.cuda.Event | None = None
+
+    def install(self) -> StopRequest:
+        """Note stop signals from now on."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._note)
+        return self
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[StopRequest]:
+        """Note stop signals while the block runs (an in-process run); the previous handlers are back after it."""
+        previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        self.install()
+        try:
+            yield self
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _note(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts, even inside a collective
+        if self.signum is None:
+            self.signum = signum
+
+    def with_vote(self, sums: torch.Tensor) -> torch.Tensor:
+        """`sums` (1-D, about to be all-reduced over every rank) with this rank's vote appended."""
+        vote = torch.full((1,), float(self.signum is not None), dtype=sums.dtype, device=sums.device)
+        return torch.cat([sums, vote])
+
+    def count(self, votes: torch.Tensor) -> None:
+        """Keep the reduced vote count, copied to the host behind the all-reduce (no wait here)."""
+        self._votes = votes.to("cpu", non_blocking=True)
+        self._votes_ready = None
+        if votes.is_cuda:
+            self._votes_ready = torch.cuda.Event()
+            self._votes_ready.record()
+
+    def agreed(self) -> int:
+        """The number of ranks that asked to stop by the last step's vote: the same on every rank, 0 to go on."""
+        if self._votes is None:
+            return 0
+        if self._votes_ready is not None:
+            self._votes_ready.synchronize()
+        return round(self._votes.item())
+
+    def reason(self, votes: int, world_size: int) -> str:
+        """What stopped the run as this rank saw it, for the log line; `votes` as `agreed` returned."""
+        if self.signum is not None:
+            others = f" ({votes} of {world_size} processes signalled)" if world_size > 1 else ""
+            return f"received {signal.Signals(self.signum).name}{others}"
+        return f"a stop signal reached {votes} of {world_size} processes"

@@ -1,0 +1,113 @@
+"""The stop request of one process (moe_train.stop): which signals it notes, Ctrl-C twice, the vote
+riding along the loss reduction, the host reads of the loop, and SIGINT on the command line.
+
+Several ranks agreeing, and signals through the launcher, are in tests/distributed/test_signal_stop.py.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from moe_train.config import load_config
+from moe_train.checkpoint import latest_iteration, list_iterations
+from moe_train.host_syncs import HostSyncCounter
+from moe_train.stop import STOP_SIGNALS, StopRequest
+from moe_train.train import Trainer
+from tests.unit.test_train import ROOT, TINY, cache_dir, overrides, records, run_cli  # noqa: F401 - cache_dir is a fixture
+
+
+@pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_stop_signal_is_noted_and_the_previous_handler_comes_back(signum):
+    before = signal.getsignal(signum)
+    with StopRequest().handling_signals() as stop:
+        assert stop.signum is None
+        os.kill(os.getpid(), signum)
+        assert stop.signum == signum
+        os.kill(os.getpid(), signal.SIGTERM if signum != signal.SIGTERM else signal.SIGUSR1)
+        assert stop.signum == signum  # the first one is kept
+    assert signal.getsignal(signum) is before
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    """Two SIGINTs: the first is noted, the second gets the default action (the process ends, no traceback)."""
+    code = ("import os, signal, time; from moe_train.stop import StopRequest; stop = StopRequest().install(); "
+            "os.kill(os.getpid(), signal.SIGINT); assert stop.signum == signal.SIGINT; print('noted', flush=True); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30); print('not reached')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGINT and result.stdout == "noted\n", result
+    assert "Traceback" not in result.stderr
+
+
+def test_the_vote_rides_along_the_reduced_sums_and_is_read_back():
+    stop = StopRequest()
+    sums = torch.tensor([1.5, 2.5], dtype=torch.float64)
+    assert stop.with_vote(sums).tolist() == [1.5, 2.5, 0.0] and stop.agreed() == 0
+    stop.signum = signal.SIGTERM
+    voted = stop.with_vote(sums)
+    assert voted.tolist() == [1.5, 2.5, 1.0] and voted.dtype == torch.float64
+    stop.count(voted[-1] * 3)  # as if three ranks had voted
+    assert stop.agreed() == 3
+    assert stop.reason(3, 4) == "received SIGTERM (3 of 4 processes signalled)"
+    assert StopRequest().reason(2, 4) == "a stop signal reached 2 of 4 processes"
+    assert stop.reason(1, 1) == "received SIGTERM"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_reading_the_vote_waits_for_the_reduction_not_for_the_work_queued_after_it():
+    stop = StopRequest()
+    stop.count(torch.full((1,), 2.0, dtype=torch.float64, device="cuda")[0])
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles, queued after the vote
+    later = torch.cuda.Event()
+    later.record()
+    assert stop.agreed() == 2
+    assert not later.query()  # still running: the read did not wait for it
+    torch.cuda.synchronize()
+
+
+def signal_after_step(trainer: Trainer, step: int, signum: int) -> None:
+    """Make `trainer` send `signum` to its own process right after step `step` (its vote already cast)."""
+    train_step = trainer.train_step
+
+    def step_then_signal() -> dict:
+        metrics = train_step()
+        if trainer.step == step:
+            os.kill(os.getpid(), signum)
+        return metrics
+
+    trainer.train_step = step_then_signal
+
+
+def test_the_loop_reads_the_stop_vote_once_per_step_and_stops_after_the_signalled_step(tmp_path, cache_dir):
+    """The only host read the loop adds per step is the vote (no metrics are read between logs); on a
+    GPU it waits for the loss all-reduce only. A vote stops the run after that step, with a save."""
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=6", "train.log_interval=6",
+                                                  "checkpoint.interval=0")[1::2]))
+    signal_after_step(trainer, 3, signal.SIGUSR1)  # noted after step 3's vote: step 4 votes to stop
+    with trainer.stop.handling_signals(), HostSyncCounter() as counter:
+        assert trainer.train() == 0
+    stop_reads = [s for s in counter.syncs if s.where.startswith("moe_train/stop.py")]
+    assert [s.kind for s in stop_reads] == ["item"] * 4, counter.report()
+    assert latest_iteration(run / "checkpoints") == 4 and list_iterations(run / "checkpoints") == [4]
+    assert records(run) == []  # stopped before the first log interval
+
+
+def test_sigint_saves_and_exits_cleanly(tmp_path, cache_dir):
+    """Ctrl-C on a single-process run: the same stop as SIGTERM (was: a KeyboardInterrupt traceback, no save)."""
+    run = tmp_path / "run"
+    proc = run_cli(overrides(run, cache_dir, "train.steps=100000", "train.log_interval=1"))
+    deadline = time.time() + 120
+    while time.time() < deadline and not records(run):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    step = latest_iteration(run / "checkpoints")
+    assert f"received SIGINT: saved {run / 'checkpoints' / f'iter_{step:07d}'}, exiting" in out
+    assert records(run)[-1]["step"] == step
