@@ -12,18 +12,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tests.kernels.buffer_checks import HIDDEN, TOKENS, TOPK, make_buffer
-from tests.kernels.cases import payload, routing, weights
+from tests.kernels.buffer_checks import make_buffer, rank_inputs
 
 
 def main(rank: int, world: int, gpus_per_node: int, init_file: str, timeout_cycles: int) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    experts = 4 * world
-    topk = routing("random", world, TOKENS, experts, TOPK, seed=5, device="cpu")[rank]
-    x = payload("random", world, TOKENS, HIDDEN, torch.bfloat16, seed=5, device="cpu")[rank]
-    w = weights(world, TOKENS, TOPK, seed=5, device="cpu")[rank]
+    x, topk, w, experts = rank_inputs(5, "cpu")
     buffer = make_buffer(world, gpus_per_node, "cpu", timeout_cycles)
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
     print("looping", flush=True)

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kernels_cuda import Schedule
-from tests.kernels.buffer_checks import HIDDEN, TOKENS, TOPK, check_buffer, make_buffer
-from tests.kernels.cases import payload, routing, weights
+from tests.kernels.buffer_checks import HIDDEN, TOKENS, check_buffer, make_buffer, rank_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_CYCLES = 60_000_000_000  # 30 s of wall clock: processes time-slice 2 cores
@@ -43,11 +42,8 @@ def test_per_process_buffers_match_the_reference(pools, kernels_cpu, world, gpus
 def bad_inputs_then_a_good_dispatch(gpus_per_node: int) -> list[str]:
     """Every rank makes bad calls (each refused before a kernel runs, so no peer waits for it), then
     one good dispatch must still work on every rank."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    experts = 4 * world
-    topk = routing("random", world, TOKENS, experts, TOPK, seed=41, device="cpu")[rank]
-    x = payload("random", world, TOKENS, HIDDEN, torch.bfloat16, seed=41, device="cpu")[rank]
-    w = weights(world, TOKENS, TOPK, seed=41, device="cpu")[rank]
+    world = dist.get_world_size()
+    x, topk, w, experts = rank_inputs(41, "cpu")
     buffer = make_buffer(world, gpus_per_node, "cpu", TIMEOUT_CYCLES)
     per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, experts)
     layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,

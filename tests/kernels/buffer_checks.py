@@ -32,6 +32,16 @@ def check_dispatch(result: tuple, want, rank: int, what: str, rows: int | None =
     assert per_expert == want.per_expert, f"rank {rank} {what}: per-expert counts differ"
 
 
+def rank_inputs(seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(x, topk_idx, topk_weights, num_experts) of this rank, drawn from `seed` as every rank draws all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    experts = 4 * world
+    topk = routing("random", world, TOKENS, experts, TOPK, seed=seed, device=device)[rank]
+    x = payload("random", world, TOKENS, HIDDEN, torch.bfloat16, seed=seed, device=device)[rank]
+    w = weights(world, TOKENS, TOPK, seed=seed, device=device)[rank]
+    return x, topk, w, experts
+
+
 def make_buffer(world: int, gpus_per_node: int, device: str, timeout_cycles: int,
                 schedule: Schedule | None = None) -> Buffer:
     nodes = world // gpus_per_node

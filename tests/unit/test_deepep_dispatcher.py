@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from moe_train.config import ConfigError, load_config
-from moe_train.train import EXIT_BAD_INPUT, choose_dispatcher, main
+from moe_train.train import choose_dispatcher
 from parallel.dispatch import deepep as deepep_module
 from parallel.dispatch.deepep import deepep_unavailable
+from tests.unit.test_native_internode_dispatch import start_up_error
 
 TINY = "moe_train/configs/tiny.yaml"
 
@@ -44,11 +45,5 @@ def test_start_up_refuses_deepep_in_one_line_before_any_work(monkeypatch, tmp_pa
         choose_dispatcher(load_config(TINY, ["parallel.dispatcher=deepep"]), None)
     (key, message), = err.value.problems
     assert key == "parallel.dispatcher" and "deep_ep package is not installed" in message and "'native'" in message
-    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
-        monkeypatch.delenv(name, raising=False)
-    code = main(["--config", TINY, "--set", "parallel.dispatcher=deepep", "--set", f"logging.dir={tmp_path / 'run'}",
-                 "--set", f"data.cache_dir={tmp_path / 'cache'}"])
-    err_text = capsys.readouterr().err
-    assert code == EXIT_BAD_INPUT and err_text.count("\n") == 1
+    err_text = start_up_error("deepep", monkeypatch, tmp_path, capsys)
     assert err_text.startswith("error: parallel.dispatcher: 'deepep' cannot run here")
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

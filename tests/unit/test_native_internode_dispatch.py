@@ -324,17 +324,24 @@ def test_start_up_on_the_cpu_needs_only_the_emulation_build(monkeypatch):
     assert choose_dispatcher(config, _topology(4, 2)) == "native"
 
 
-def test_training_with_native_where_it_cannot_run_stops_before_any_work(monkeypatch, tmp_path, capsys):
-    _not_built(monkeypatch)
+def start_up_error(dispatcher: str, monkeypatch, tmp_path, capsys) -> str:
+    """The one line a single-process training run with `dispatcher` prints when it refuses at start-up
+    (exit 2, nothing created)."""
     for name in ("WORLD_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    code = main(["--config", TINY, "--set", "parallel.dispatcher=native", "--set", f"logging.dir={tmp_path / 'run'}",
-                 "--set", f"data.cache_dir={tmp_path / 'cache'}"])
+    code = main(["--config", TINY, "--set", f"parallel.dispatcher={dispatcher}", "--set",
+                 f"logging.dir={tmp_path / 'run'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"])
     err = capsys.readouterr().err
-    assert code == EXIT_BAD_INPUT and err.count("\n") == 1
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    return err
+
+
+def test_training_with_native_where_it_cannot_run_stops_before_any_work(monkeypatch, tmp_path, capsys):
+    _not_built(monkeypatch)
+    err = start_up_error("native", monkeypatch, tmp_path, capsys)
     assert err.startswith("error: parallel.dispatcher: 'native' cannot run here") and "'hierarchical'" in err
     assert "<command>" in err
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
 def test_start_up_accepts_native_where_it_can_run(native_can_run):

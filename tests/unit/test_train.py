@@ -82,17 +82,21 @@ def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, cache_dir):
     assert all(after[s] == expected[s] for s in after), (after, expected)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path, cache_dir):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_and_exits_cleanly(tmp_path, cache_dir, signum):
+    """SIGTERM, and Ctrl-C (was: a KeyboardInterrupt traceback, no save), on a single-process run."""
     run = tmp_path / "run"
     proc = run_cli(overrides(run, cache_dir, "train.steps=100000", "train.log_interval=1"))
     deadline = time.time() + 120
     while time.time() < deadline and not records(run):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "received SIGTERM" in out
-    assert latest_iteration(run / "checkpoints") >= 1
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    step = latest_iteration(run / "checkpoints")
+    name = signal.Signals(signum).name
+    assert step >= 1 and f"received {name}: saved {run / 'checkpoints' / f'iter_{step:07d}'}, exiting" in out
+    assert records(run)[-1]["step"] == step
 
 
 def _snapshot(trainer):
