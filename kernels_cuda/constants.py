@@ -62,6 +62,8 @@ def describe_error(record: dict) -> str:
     if record["code"] == 2:
         return (f"num_worst_tokens too small: rank {record['rank']} receives {record['tail']} rows (or RDMA records), "
                 f"more than num_worst_tokens={record['expected']}")
-    return (f"device timeout: role {record['role_name']} of rank {record['rank']} (channel {record['channel']}) "
+    # Barriers belong to no channel (the device records channel -1 for them).
+    where = f" (channel {record['channel']})" if record["channel"] >= 0 else ""
+    return (f"device timeout: role {record['role_name']} of rank {record['rank']}{where} "
             f"waited for peer {record['peer']}: head={record['head']} tail={record['tail']} "
             f"expected={record['expected']} (a peer died, stalled, or ran other ops)")

@@ -82,6 +82,17 @@ def test_constants_come_from_the_header():
         "BIG": 12, "SMALL_ONE": 3}
 
 
+def test_error_records_read_as_one_line_naming_the_role_rank_and_peer():
+    record = {"code": 1, "role_name": "CombineKeeper", "rank": 3, "channel": 5, "peer": 1, "head": 7, "tail": 9,
+              "expected": 12}
+    assert constants.describe_error(record).startswith(
+        "device timeout: role CombineKeeper of rank 3 (channel 5) waited for peer 1: head=7 tail=9 expected=12")
+    # A barrier belongs to no channel: the device records -1, the line leaves the channel out.
+    barrier = constants.describe_error({**record, "role_name": "Barrier", "channel": -1})
+    assert barrier.startswith("device timeout: role Barrier of rank 3 waited for peer 1:"), barrier
+    assert "too small" in constants.describe_error({**record, "code": 2})
+
+
 def test_config_defaults_are_valid_and_violations_are_named():
     cfg = Config()
     assert cfg.validate(8, 7168 * 2, 8, 32) is None
