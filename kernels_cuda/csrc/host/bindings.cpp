@@ -339,7 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("emulated", &Runtime::emulated);
 #if defined(EP_CPU_EMULATION)
     runtime.def("set_schedule", [](Runtime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
-                                   int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
+                                   int sm_count, const std::string& memory) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count, memory); });
     m.attr("device") = "cpu";
 #else
     m.attr("device") = "cuda";

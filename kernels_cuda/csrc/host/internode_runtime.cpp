@@ -511,7 +511,7 @@ void register_internode(py::module_& m) {
         .def_static("region_bytes", &InternodeRuntime::region_bytes);
 #if defined(EP_CPU_EMULATION)
     runtime.def("set_schedule", [](InternodeRuntime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
-                                   int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
+                                   int sm_count, const std::string& memory) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count, memory); });
 #endif
     py::class_<EmulatedInternodeRuntime, InternodeRuntime>(m, "EmulatedInternodeRuntime")
         .def(py::init<int, int, int64_t, int64_t>());
