@@ -2,9 +2,9 @@
 of `--tokens` x `--hidden` bf16 rows per rank over `--ranks` emulated ranks (every CUDA thread a
 fiber), per scheduler policy, against the same op of the pure-torch `alltoall` backend on simulated
 ranks (threads) measured in the same run. The emulation is a correctness tool: the ratio says what a
-test case costs, not how fast the kernels are.
+test case costs, not how fast the kernels are. `--memory relaxed` times the relaxed memory mode.
 
-    python benchmarks/emulation_speed.py [--ranks 4] [--tokens 256] [--hidden 1024] [--repeats 3]
+    python benchmarks/emulation_speed.py [--ranks 4] [--tokens 256] [--hidden 1024] [--repeats 3] [--memory relaxed]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def inputs(ranks: int, tokens: int, hidden: int, experts: int, topk: int, seed: 
 def time_emulated(policy: str, args, xs, idx, ws, experts: int) -> float:
     config = Config(num_sms=4, num_max_send_tokens=8, num_max_recv_tokens=64)
     group = EmulatedGroup(args.ranks, config.buffer_size_hint(args.ranks, 2 * args.hidden, args.topk), config,
-                          device="cpu", schedule=Schedule(policy, seed=1))
+                          device="cpu", schedule=Schedule(policy, seed=1, memory=args.memory))
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--memory", choices=("sequential", "relaxed"), default="sequential")
     args = parser.parse_args()
     problem = build_cpu.ensure_built()
     if problem is not None or not kernels_cuda.is_built("cpu"):
@@ -72,7 +73,7 @@ def main() -> None:
     xs, idx, ws = inputs(args.ranks, args.tokens, args.hidden, experts, args.topk, seed=0)
     baseline = time_alltoall(args, xs, idx, ws, experts)
     print(f"{args.ranks} ranks x {args.tokens} tokens x {args.hidden} bf16, top-{args.topk} of {experts} experts, "
-          f"dispatch + combine, median of {args.repeats}")
+          f"dispatch + combine, median of {args.repeats}, {args.memory} memory")
     print(f"  pure-torch alltoall (simulated ranks): {1e3 * baseline:8.1f} ms")
     for policy in ("round_robin", "random", "pct"):
         seconds = time_emulated(policy, args, xs, idx, ws, experts)

@@ -7,7 +7,11 @@ over the runnable ones) or "pct" (random priorities with `pct_depth - 1` change 
 `pct_steps` switch points; a spinning fiber drops to the lowest priority). Each launch of a group
 draws its own interleaving from (seed, launch index), so a seed replays a whole sequence of ops, and
 a failed launch's error names its schedule and seed. `sm_count` is the emulated device's SMs: a
-cooperative grid larger than that is refused, as on a GPU.
+cooperative grid larger than that is refused, as on a GPU. `memory` is the memory model: "sequential"
+(every store seen by every thread at once) or "relaxed" (a plain store to memory other threads read
+stays pending, seen by its thread only, until a barrier, a release or its thread's exit makes it
+visible, as PTX allows: docs/kernels_emulation.md); "relaxed" needs every rank of a group in one
+process.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 
 POLICIES = ("round_robin", "random", "pct")
+MEMORY_MODES = ("sequential", "relaxed")
 H200_SMS = 132
 
 
@@ -27,16 +32,19 @@ class Schedule:
     pct_depth: int = 3
     pct_steps: int = 1 << 20
     sm_count: int = H200_SMS
+    memory: str = "sequential"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"Schedule.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"Schedule.memory must be one of {', '.join(MEMORY_MODES)}, got {self.memory!r}")
         if self.pct_depth < 1 or self.pct_steps < 1 or self.sm_count < 1 or self.seed < 0:
             raise ValueError(f"Schedule: pct_depth, pct_steps and sm_count must be >= 1 and seed >= 0: {self}")
 
     def apply(self, runtime: Any) -> None:
         """Makes `runtime` (a _C_cpu runtime) launch under this schedule from now on."""
-        runtime.set_schedule(self.policy, self.seed, self.pct_depth, self.pct_steps, self.sm_count)
+        runtime.set_schedule(self.policy, self.seed, self.pct_depth, self.pct_steps, self.sm_count, self.memory)
 
 
 def resolve_device(device: str | None) -> str:

@@ -49,13 +49,13 @@ __device__ __forceinline__ void await_error(ErrorRecord* record) {
 __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role, int rank, int channel, int peer,
                                                     int head, int tail, int expected) {
     if (claim_error(record)) {
-        record->role = role;
-        record->rank = rank;
-        record->channel = channel;
-        record->peer = peer;
-        record->head = head;
-        record->tail = tail;
-        record->expected = expected;
+        st_plain(&record->role, role);
+        st_plain(&record->rank, rank);
+        st_plain(&record->channel, channel);
+        st_plain(&record->peer, peer);
+        st_plain(&record->head, head);
+        st_plain(&record->tail, tail);
+        st_plain(&record->expected, expected);
         publish_error(record, 1);
     } else {
         await_error(record);
@@ -70,11 +70,13 @@ __device__ __noinline__ inline void report_timeout(ErrorRecord* record, int role
 __device__ __forceinline__ void check_worst_tokens(ErrorRecord* record, int role, int rank, int rows, int limit) {
     if (limit <= 0 || rows <= limit) return;
     if (claim_error(record)) {
-        record->role = role;
-        record->rank = rank;
-        record->channel = record->peer = record->head = -1;
-        record->tail = rows;
-        record->expected = limit;
+        st_plain(&record->role, role);
+        st_plain(&record->rank, rank);
+        st_plain(&record->channel, -1);
+        st_plain(&record->peer, -1);
+        st_plain(&record->head, -1);
+        st_plain(&record->tail, rows);
+        st_plain(&record->expected, limit);
         publish_error(record, 2);
         printf("kernels_cuda: rank %d receives %d rows but num_worst_tokens is %d\n", rank, rows, limit);
     } else {

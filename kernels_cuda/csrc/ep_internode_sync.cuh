@@ -53,10 +53,10 @@ __device__ void zero_internode_metadata(const RdmaTransport<B>& rdma, const Tran
                                         const InternodeLayout& layout, int gpu) {
     int4* words = rdma.template local<int4>(layout.rdma.meta_begin);
     int64_t count = (layout.rdma.send_meta - layout.rdma.meta_begin) / 16;
-    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) words[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) st_int4(words + i, make_int4(0, 0, 0, 0));
     words = nvl.template peer_ptr<int4>(gpu, layout.nvl.meta_begin);
     count = (layout.nvl.data - layout.nvl.meta_begin) / 16;
-    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) words[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) st_int4(words + i, make_int4(0, 0, 0, 0));
 }
 
 }  // namespace ep

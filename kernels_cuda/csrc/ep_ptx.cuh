@@ -41,6 +41,7 @@ template <Scope S>
 __device__ __forceinline__ void st_release(int* ptr, int value) {
 #if defined(EP_CPU_EMULATION)
     ep_emu::yield(ep_emu::Event::kRelease);
+    ep_emu::strong_write(ptr, sizeof(int), true);
     std::atomic_ref<int>(*ptr).store(value, std::memory_order_release);
 #else
     if constexpr (S == Scope::kSys)
@@ -54,6 +55,7 @@ template <Scope S>
 __device__ __forceinline__ int atomic_add_release(int* ptr, int value) {
 #if defined(EP_CPU_EMULATION)
     ep_emu::yield(ep_emu::Event::kAtomic);
+    ep_emu::strong_write(ptr, sizeof(int), true);
     return std::atomic_ref<int>(*ptr).fetch_add(value, std::memory_order_release);
 #else
     int old;
@@ -78,10 +80,37 @@ __device__ __forceinline__ void fence_acq_rel() {
 #endif
 }
 
+// A plain store to memory that other threads or ranks read: ring records and metadata, counts put into
+// peers' buffers, staging areas (not __shared__ memory, not the kernel's outputs). In the CUDA build it
+// is exactly `*ptr = value`; in the emulation's relaxed memory mode it stays pending, seen by this
+// thread only, until the memory model makes it visible (a barrier to the threads taking part, a
+// release to every thread: emulator.cpp, "the relaxed memory mode").
+template <typename T>
+__device__ __forceinline__ void st_plain(T* ptr, T value) {
+#if defined(EP_CPU_EMULATION)
+    ep_emu::store(ptr, value);
+#else
+    *ptr = value;
+#endif
+}
+
+// A volatile store (a flag in shared memory, a counter the host polls): strong, so in the relaxed memory
+// mode it publishes what its thread saw at its last fence (a fence, then a strong store, is PTX's
+// release pattern). In the CUDA build exactly the volatile store.
+template <typename T>
+__device__ __forceinline__ void st_volatile(volatile T* ptr, T value) {
+#if defined(EP_CPU_EMULATION)
+    ep_emu::strong_write(const_cast<T*>(ptr), sizeof(T), false);
+#endif
+    *ptr = value;
+}
+
 // Plain 16-byte loads/stores for payload copies. Ring data is only read after an acquire of the
-// tail that covers it, so ordinary (coherent) loads are enough; no `.nc` trick on peer data.
+// tail that covers it, so ordinary (coherent) loads are enough; no `.nc` trick on peer data. The
+// stores are st_plain's; the kernels' own outputs, which no other thread reads during the launch, are
+// written with plain assignments.
 __device__ __forceinline__ int4 ld_int4(const int4* ptr) { return *ptr; }
-__device__ __forceinline__ void st_int4(int4* ptr, int4 value) { *ptr = value; }
+__device__ __forceinline__ void st_int4(int4* ptr, int4 value) { st_plain(ptr, value); }
 
 // Named barrier over `threads` threads of the block (ids 1..15; 0 is __syncthreads). bar.sync is
 // aligned: every warp must arrive converged (after divergent code, __syncwarp() first).

@@ -34,7 +34,7 @@ template <Backend B>
 __device__ void zero_ring_metadata(const Transport<B>& net, const BufferLayout& layout, int rank) {
     int4* words = net.template peer_ptr<int4>(rank, layout.meta_begin);
     const int64_t count = (layout.data - layout.meta_begin) / 16;
-    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) words[i] = make_int4(0, 0, 0, 0);
+    for (int64_t i = threadIdx.x; i < count; i += blockDim.x) st_int4(words + i, make_int4(0, 0, 0, 0));
 }
 
 }  // namespace ep

@@ -58,6 +58,21 @@ BUGS = {
         "            rdma.signal_add_warp(m, rl.word(rl.tail, c, me), count);\n            if (lane == m) issued += count;",
         "            if (lane == m) issued += count;",
         "the internode RDMA coordinator never publishes the tail of the records it put"),
+    # Memory-ordering bugs: a GPU may show them, the sequentially consistent emulation cannot; the runs in
+    # the relaxed memory mode (Schedule.memory, `-relaxed` in a test id) catch them.
+    "released_without_fence": Bug(
+        f"{KERNELS}/internode_dispatch.cu",
+        "                __threadfence_block();\n                st_volatile(released + lane, slot);",
+        "                st_volatile(released + lane, slot);",
+        "the internode RDMA senders' round hands its records to the coordinator (a volatile store to shared "
+        "memory) without the fence that makes it a release: the other sender warps' records are not ordered "
+        "before it, so the coordinator may put and signal records it cannot see yet"),
+    "plain_tail_publish": Bug(
+        f"{KERNELS}/intranode_dispatch.cu",
+        "        if (leader) net.signal_store(dst, layout.word(layout.tail, channel, me), tail);",
+        "        if (leader) st_plain(net.template peer_ptr<int>(dst, layout.word(layout.tail, channel, me)), tail);",
+        "the intranode dispatch sender publishes the ring tail with a plain store instead of a release: the "
+        "receiver may see the tail before the records it covers"),
 }
 
 

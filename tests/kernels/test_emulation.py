@@ -1,6 +1,11 @@
 """The CPU emulation itself: refusals before any launch (arguments, grids too large for the device),
-the emulator's own SM limit, replay of a schedule by its seed, and the deadlock report."""
+the emulator's own SM limit, replay of a schedule by its seed, the deadlock report, and the relaxed
+memory mode's rules on litmus kernels (tests/kernels/litmus.cpp)."""
 from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +15,8 @@ from kernels_cuda import Config, EmulatedGroup, EmulatedInternodeGroup, Internod
 from tests.kernels.cases import payload, quantize, routing, weights
 from tests.kernels.runs import Run
 from tests.kernels.traps import intranode_stall
+
+EMU = Path(kernels_cuda.__file__).parent / "csrc" / "emu"
 
 pytestmark = pytest.mark.skipif(not kernels_cuda.is_built("cpu"), reason="the CPU emulation is not built here")
 
@@ -105,3 +112,42 @@ def test_a_deadlock_reports_every_waiting_role_and_the_blocked_lanes():
     assert all("rank=1 " not in line for line in lines)  # the stalled rank itself waits for nobody
     record = group.error_record()
     assert record["code"] == 1 and record["role_name"] in ("DispatchSender", "DispatchReceiver")
+
+
+def test_a_relaxed_failure_report_names_the_memory_mode_and_replays():
+    def report(seed: int) -> str:
+        print(f"run: cpu-random-seed{seed}-relaxed")
+        group, launch = intranode_stall(Run("cpu", Schedule("random", seed, memory="relaxed")))
+        with pytest.raises(RuntimeError) as error:
+            launch()
+        return str(error.value)
+
+    first, again = report(5), report(5)
+    assert first == again and "schedule: random seed=5 memory=relaxed" in first, first
+    with pytest.raises(ValueError, match="Schedule.memory must be one of sequential, relaxed, got 'weak'"):
+        Schedule(memory="weak")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the litmus kernels")
+def test_litmus_kernels_show_the_relaxed_memory_rules(tmp_path):
+    """Block 0 writes data then raises a flag, block 1 waits for the flag and reads the data (litmus.cpp),
+    200 seeds each. Sequential memory never shows stale data; relaxed memory does exactly where PTX allows
+    it: after a plain flag store, and after a volatile flag store whose thread did not fence after the
+    barrier that ordered the data (a fence alone publishes nothing)."""
+    exe = tmp_path / "litmus"
+    sources = [Path(__file__).with_name("litmus.cpp"), *(EMU / f for f in ("emulator.cpp", "fiber.cpp", "memory.cpp"))]
+    subprocess.run(["g++", "-std=c++20", "-O1", "-DEP_CPU_EMULATION", f"-I{EMU}", f"-I{EMU.parent}", *map(str, sources),
+                    "-o", str(exe)], check=True, timeout=300)
+    output = subprocess.run([str(exe), "200"], capture_output=True, text=True, check=True, timeout=300).stdout
+    print(f"litmus seeds 0-199 (even: random, odd: pct), each variant\n{output}")
+    stale = {}
+    for line in output.splitlines():
+        if "stale=" in line:
+            writer, memory, *fields = line.split()
+            values = dict(f.split("=") for f in fields)
+            assert values["failed"] == "0", line  # a flag that stays pending becomes visible eventually
+            stale[writer, memory] = int(values["stale"])
+    assert len(stale) == 14 and all(n == 0 for (_, memory), n in stale.items() if memory == "sequential"), stale
+    caught = {writer for (writer, memory), n in stale.items() if memory == "relaxed" and n > 0}
+    assert caught == {"plain_flag", "barrier_volatile"}, stale
+    assert "own_misses=0" in output and "replay identical=1" in output, output

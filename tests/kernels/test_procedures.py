@@ -1,5 +1,6 @@
 """The README's procedures for the CPU emulation: the build command, the AddressSanitizer build (it
-finds a row written past the end of a tensor), and planting a bug to show the kernel tests catch it.
+finds a row written past the end of a tensor), and planting a bug to show the kernel tests catch it
+(memory-ordering bugs: only in the relaxed memory mode).
 Each runs on a scratch copy of the repository (tests/kernels/plant_bug.py), so the tree under test is
 untouched; objects are cached by content, so only what a copy changes is recompiled."""
 from __future__ import annotations
@@ -40,3 +41,13 @@ def test_asan_finds_a_receiver_writing_one_row_too_far():
     planted = run_kernel_tests(BUGS["row_too_far"], "test_intranode and dispatch_and_combine and 0-cpu", asan=True)
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in planted.output, planted.output[-3000:]
     assert "receive_record" in planted.output, planted.output[-3000:]  # the report names the kernel function
+
+
+@pytest.mark.parametrize("bug,select", [("released_without_fence", "test_internode and dispatch_and_combine"),
+                                        ("plain_tail_publish", "test_intranode and (dispatch_and_combine or tiny_rings)")])
+def test_a_planted_memory_ordering_bug_is_caught_by_the_relaxed_memory_runs_only(bug, select):
+    result = run_kernel_tests(BUGS[bug], select, asan=False)
+    print("\n".join(result.failed))
+    relaxed = [test for test in result.failed if test.endswith("-relaxed]")]
+    assert relaxed and relaxed == result.failed, result.output[-3000:]  # the sequential runs pass
+    assert result.ran >= 20 + len(relaxed), result.ran

@@ -109,13 +109,35 @@ inline void __threadfence_block() {
 inline void __threadfence() { __threadfence_block(); }
 inline void __threadfence_system() { __threadfence_block(); }
 
+// The relaxed memory mode (emulator.h): a tracked plain store, and the hook before a strong write. The
+// tracked path is out of line, so that the sequential mode's store stays a plain store in a register.
+namespace ep_emu {
+template <typename T>
+[[gnu::noinline, gnu::cold]] void store_tracked(T* ptr, T value) {
+    tracked_store(ptr, &value, sizeof(T));
+}
+template <typename T>
+inline void store(T* ptr, T value) {
+    static_assert(sizeof(T) % 4 == 0 && sizeof(T) <= 16, "tracked stores are 4 to 16 bytes of whole words");
+    if (__builtin_expect(relaxed_memory, false))
+        store_tracked(ptr, value);
+    else
+        *ptr = value;
+}
+inline void strong_write(const void* ptr, size_t size, bool release) {
+    if (relaxed_memory) before_write(ptr, size, release);
+}
+}  // namespace ep_emu
+
 // CUDA's atomics are relaxed.
 inline int atomicAdd(int* address, int value) {
     ep_emu::yield(ep_emu::Event::kAtomic);
+    ep_emu::strong_write(address, sizeof(int), false);
     return std::atomic_ref<int>(*address).fetch_add(value, std::memory_order_relaxed);
 }
 inline int atomicCAS(int* address, int compare, int value) {
     ep_emu::yield(ep_emu::Event::kAtomic);
+    ep_emu::strong_write(address, sizeof(int), false);
     std::atomic_ref<int>(*address).compare_exchange_strong(compare, value, std::memory_order_relaxed);
     return compare;
 }

@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda_runtime.h"
@@ -33,6 +34,7 @@ namespace ep_emu {
 namespace {
 
 constexpr int kWarp = 32;
+constexpr int kMaxWarps = 32;  // of a block (1024 threads): warp masks are 32 bits
 constexpr int kMaxBarriers = 16;
 #if defined(__SANITIZE_ADDRESS__)
 constexpr size_t kStackBytes = 256 << 10;  // instrumented frames are larger
@@ -51,6 +53,8 @@ constexpr size_t kMaxPrintedLines = 4096;
 constexpr long long kCyclesPerNs = 2;                // the wall clock of a launch with peers in other processes
 constexpr int kYieldsBeforeSleeping = 64;            // ... rounds of all-spinning fibers before it sleeps
 constexpr long kIdleSleepNs = 20000;
+constexpr size_t kMaxTrackedBytes = 16;              // relaxed memory: the widest tracked store (an int4)
+constexpr uint64_t kPublishOdds = 8;                 // ... a switch point publishes a pending store with odds 1/8
 
 enum class State : uint8_t { kRunnable, kBlocked, kExited, kTrapped };
 enum class Wait : uint8_t { kNone, kCollective, kBarrier, kParked };
@@ -125,6 +129,8 @@ const char* collective_name(Collective kind) {
 
 std::string barrier_name(int id) { return id == 0 ? std::string("__syncthreads") : "bar.sync " + std::to_string(id); }
 
+const char* memory_name(Memory memory) { return memory == Memory::kRelaxed ? "relaxed" : "sequential"; }
+
 const char* policy_name(Policy policy) {
     switch (policy) {
         case Policy::kRoundRobin: return "round_robin";
@@ -163,6 +169,297 @@ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+// --- the relaxed memory mode (Memory::kRelaxed) ---------------------------------------------------------
+// A tracked store (st_plain, st_int4) is pending until it is published, i.e. visible to every fiber. Who
+// sees a pending store follows PTX's rules for weak stores:
+//  * the storing thread, at once;
+//  * a warp collective grants the pending stores of its lanes to their warp, a barrier grants those that
+//    any participant sees to every participant's warp (both order memory among the threads taking part);
+//  * a release (st_release, atomic_add_release) publishes every pending store the releasing thread sees
+//    (a release is cumulative); a strong relaxed write (atomicAdd/atomicCAS, st_volatile) publishes those it
+//    saw at its thread's last fence (PTX's release pattern is a fence, then a strong write); a fence alone
+//    publishes nothing;
+//  * stores become visible eventually, in any order: a thread's exit or trap publishes its own; a switch
+//    point of a fiber publishes one pending store it sees, picked at random, with odds 1 / kPublishOdds;
+//    when every runnable fiber spins, a random half of all pending stores is published (and deadlock
+//    detection starts over); the end of the launch publishes the rest.
+// Loads need no instrumentation: memory always shows what the running fiber sees. A tracked store writes
+// memory at once and keeps the bytes it replaced; when the scheduler switches fibers, the pending stores
+// the old fiber sees and the new one does not are undone (their replaced bytes written back) and those
+// the new one sees are redone (replacing the bytes there now). A 4-byte word has at most one pending store
+// (a store to a word that has one publishes that first, unless it is the same thread's store of the same
+// width since its last fence, which it replaces), so undoing and redoing never depend on each other.
+struct PendingStore {
+    unsigned char* address = nullptr;
+    uint32_t size = 0;
+    uint32_t slot = 0;        // index in its list: the owner's `own`, or once granted its block's `granted`
+    Fiber* owner = nullptr;
+    uint32_t warps = 0;       // warps of the owner's block that see it since `granted_at` (0: the owner only)
+    uint32_t late_warps = 0;  // warps granted later, seeing it since `late_at`, the first of those grants (earlier
+                              // than the others: only more is published)
+    uint64_t created = 0, granted_at = 0, late_at = 0;
+    bool applied = false;     // its bytes are in memory: the running fiber sees it
+    unsigned char bytes[kMaxTrackedBytes];
+    unsigned char replaced[kMaxTrackedBytes];
+};
+
+// Its state lives here, not in the fibers and blocks, and the hooks the scheduler calls are not inlined:
+// the sequential mode's data and hot paths stay as they were.
+struct RelaxedMemory {
+    struct FiberState {
+        std::vector<uint32_t> own;  // its pending stores that only it sees
+        uint64_t fence_tick = 0;    // the tick of its last fence
+    };
+    struct BlockState {
+        std::vector<uint32_t> granted;  // pending stores of its threads that some of its warps see
+        int seen_by[kMaxWarps] = {};    // how many of them each warp sees
+    };
+    std::vector<FiberState> fibers;  // by Fiber::id
+    std::vector<BlockState> blocks;  // by Block::index
+    std::vector<PendingStore> stores;  // pending ones are in some fiber's `own` or some block's `granted`
+    std::vector<uint32_t> unused;
+    std::unordered_map<uintptr_t, uint32_t> by_word;  // word address / 4 -> its pending store
+    size_t pending = 0;
+    uint64_t tick = 0;  // orders stores, grants and fences
+    std::mt19937_64 rng;
+
+    void start(size_t num_fibers, size_t num_blocks) {
+        fibers.resize(num_fibers);
+        blocks.resize(num_blocks);
+    }
+    std::vector<uint32_t>& own(const Fiber* f) { return fibers[f->id].own; }
+    uint64_t& fence_tick(const Fiber* f) { return fibers[f->id].fence_tick; }
+    BlockState& block_of(const Fiber* f) { return blocks[f->block->index]; }
+
+    static uintptr_t word(const void* address) { return reinterpret_cast<uintptr_t>(address) >> 2; }
+
+    // A granted store: a warp of its block sees it (the owner's warp always does).
+    static bool warp_sees(const PendingStore& s, int warp) { return ((s.warps | s.late_warps) >> warp) & 1u; }
+    static uint64_t seen_since(const PendingStore& s, const Fiber* f) {
+        if (s.owner == f) return s.created;
+        return ((s.warps >> f->warp->index) & 1u) ? s.granted_at : s.late_at;
+    }
+
+    // Inlined for the common widths (an int4, a word): every switch between fibers runs these.
+    static void copy(unsigned char* to, const unsigned char* from, uint32_t size) {
+        if (size == 16)
+            std::memcpy(to, from, 16);
+        else if (size == 4)
+            std::memcpy(to, from, 4);
+        else
+            std::memcpy(to, from, size);
+    }
+    static void redo(PendingStore& s) {
+        copy(s.replaced, s.address, s.size);
+        copy(s.address, s.bytes, s.size);
+        s.applied = true;
+    }
+    static void undo(PendingStore& s) {
+        copy(s.address, s.replaced, s.size);
+        s.applied = false;
+    }
+
+    std::vector<uint32_t>& list_of(const PendingStore& s) { return s.warps != 0 ? block_of(s.owner).granted : own(s.owner); }
+    void link(uint32_t id, std::vector<uint32_t>& list) {
+        stores[id].slot = static_cast<uint32_t>(list.size());
+        list.push_back(id);
+    }
+
+    static void count_seen(BlockState& b, uint32_t warps, int delta) {
+        for (; warps != 0; warps &= warps - 1) b.seen_by[__builtin_ctz(warps)] += delta;
+    }
+
+    void publish(uint32_t id) {
+        PendingStore& s = stores[id];
+        if (!s.applied) std::memcpy(s.address, s.bytes, s.size);  // undone: memory holds what every fiber sees
+        count_seen(block_of(s.owner), s.warps | s.late_warps, -1);
+        std::vector<uint32_t>& list = list_of(s);
+        const uint32_t moved = list.back();
+        list[s.slot] = moved;
+        stores[moved].slot = s.slot;
+        list.pop_back();
+        for (uint32_t at = 0; at < s.size; at += 4) by_word.erase(word(s.address + at));
+        unused.push_back(id);
+        --pending;
+    }
+
+    template <typename Which>
+    void publish_if(std::vector<uint32_t>& list, Which which) {
+        for (size_t i = list.size(); i-- > 0;)  // publish() moves the last entry into i: already visited
+            if (which(stores[list[i]])) publish(list[i]);
+    }
+
+    void publish_words(const unsigned char* address, size_t size) {
+        for (size_t at = 0; at < size; at += 4) {
+            const auto found = by_word.find(word(address + at));
+            if (found != by_word.end()) publish(found->second);
+        }
+    }
+
+    [[gnu::noinline]] void store(Fiber* f, void* ptr, const void* value, size_t size) {
+        unsigned char* address = static_cast<unsigned char*>(ptr);
+        const auto found = by_word.find(word(address));
+        if (found != by_word.end()) {
+            PendingStore& s = stores[found->second];
+            if (s.owner == f && s.address == address && s.size == size && s.warps == 0 && s.created > fence_tick(f)) {
+                std::memcpy(s.bytes, value, size);
+                std::memcpy(address, value, size);
+                return;
+            }
+        }
+        publish_words(address, size);
+        uint32_t id;
+        if (unused.empty()) {
+            id = static_cast<uint32_t>(stores.size());
+            stores.emplace_back();
+        } else {
+            id = unused.back();
+            unused.pop_back();
+        }
+        PendingStore& s = stores[id];
+        s = PendingStore{};
+        s.address = address;
+        s.size = static_cast<uint32_t>(size);
+        s.owner = f;
+        s.created = ++tick;
+        std::memcpy(s.bytes, value, size);
+        redo(s);
+        link(id, own(f));
+        for (uint32_t at = 0; at < s.size; at += 4) by_word[word(address + at)] = id;
+        ++pending;
+    }
+
+    // `f` writes [ptr, ptr + size) with an atomic, release or strong store next: it publishes what that
+    // write releases, and any pending store to those words goes first (coherence).
+    [[gnu::noinline]] void before_write(Fiber* f, const void* ptr, size_t size, bool release) {
+        if (pending == 0) return;
+        const uint64_t until = release ? UINT64_MAX : fence_tick(f);
+        publish_if(own(f), [&](const PendingStore& s) { return s.created <= until; });
+        const int warp = f->warp->index;
+        publish_if(block_of(f).granted, [&](const PendingStore& s) { return warp_sees(s, warp) && seen_since(s, f) <= until; });
+        publish_words(static_cast<const unsigned char*>(ptr), size);
+    }
+
+    void fence(const Fiber* f) { fence_tick(f) = ++tick; }
+
+    // `p`'s own pending stores become visible to `warps` (of its block); `running` sees what it sees.
+    void grant_own(const Fiber* p, uint32_t warps, uint64_t now, const Fiber* running) {
+        BlockState& b = block_of(p);
+        for (const uint32_t id : own(p)) {
+            PendingStore& s = stores[id];
+            s.warps = warps;
+            s.granted_at = now;
+            count_seen(b, warps, 1);
+            link(id, b.granted);
+            if (!s.applied && warp_sees(s, running->warp->index)) redo(s);
+        }
+        own(p).clear();
+    }
+
+    [[gnu::noinline]] void grant_collective(Warp& w, unsigned mask, const Fiber* running) {
+        if (pending == 0) return;
+        const uint64_t now = ++tick;
+        for (int j = 0; j < kWarp; ++j)
+            if ((mask >> j) & 1u) grant_own(w.lanes[j], 1u << w.index, now, running);
+    }
+
+    [[gnu::noinline]] void grant_barrier(const std::vector<Fiber*>& waiting, const Fiber* last) {
+        if (pending == 0) return;
+        uint32_t warps = 1u << last->warp->index;
+        for (const Fiber* p : waiting) warps |= 1u << p->warp->index;
+        const uint64_t now = ++tick;
+        BlockState& b = block_of(last);
+        for (const uint32_t id : b.granted) {
+            PendingStore& s = stores[id];
+            const uint32_t seen = s.warps | s.late_warps;
+            if ((seen & warps) == 0 || (warps & ~seen) == 0) continue;
+            if (s.late_warps == 0) s.late_at = now;
+            s.late_warps |= warps & ~seen;
+            count_seen(b, warps & ~seen, 1);
+            if (!s.applied && warp_sees(s, last->warp->index)) redo(s);
+        }
+        for (const Fiber* p : waiting) grant_own(p, warps, now, last);
+        grant_own(last, warps, now, last);
+    }
+
+    // The running fiber changes from `from` to `to`: memory shows what `to` sees.
+    [[gnu::noinline]] void switch_view(const Fiber* from, const Fiber* to) {
+        if (pending == 0) return;
+        for (const uint32_t id : own(from)) undo(stores[id]);
+        const int warp = to->warp->index;
+        BlockState &from_block = block_of(from), &to_block = block_of(to);
+        const bool from_sees = from_block.seen_by[from->warp->index] > 0, to_sees = to_block.seen_by[warp] > 0;
+        if (from->block != to->block) {
+            if (from_sees)
+                for (const uint32_t id : from_block.granted)
+                    if (stores[id].applied) undo(stores[id]);
+            if (to_sees)
+                for (const uint32_t id : to_block.granted)
+                    if (warp_sees(stores[id], warp)) redo(stores[id]);
+        } else if (from->warp != to->warp && (from_sees || to_sees)) {
+            for (const uint32_t id : from_block.granted) {
+                PendingStore& s = stores[id];
+                const bool seen = warp_sees(s, warp);
+                if (seen && !s.applied) redo(s);
+                if (!seen && s.applied) undo(s);
+            }
+        }
+        for (const uint32_t id : own(to)) redo(stores[id]);
+    }
+
+    // `f` stops running, for good if it `exits` (its stores become visible then), and `next` runs. (Back to
+    // the host instead, the launch is over and publish_all follows.)
+    [[gnu::noinline]] void leave(const Fiber* f, const Fiber* next, bool exits) {
+        if (pending == 0) return;
+        if (exits) {
+            publish_if(own(f), [](const PendingStore&) { return true; });
+            publish_if(block_of(f).granted, [&](const PendingStore& s) { return s.owner == f; });
+        }
+        switch_view(f, next);
+    }
+
+    [[gnu::noinline]] void publish_at_random(const Fiber* f) {
+        if (pending == 0 || rng() % kPublishOdds != 0) return;
+        const std::vector<uint32_t>& mine = own(f);
+        const std::vector<uint32_t>& granted = block_of(f).granted;
+        const size_t all = mine.size() + granted.size();
+        if (all == 0) return;
+        const size_t pick = rng() % all;
+        if (pick < mine.size())
+            publish(mine[pick]);
+        else if (warp_sees(stores[granted[pick - mine.size()]], f->warp->index))
+            publish(granted[pick - mine.size()]);
+    }
+
+    // A random half of the pending stores (at least one); false when none is pending.
+    [[gnu::noinline]] bool publish_some() {
+        if (pending == 0) return false;
+        const size_t before = pending;
+        const auto coin = [&](const PendingStore&) { return (rng() & 1u) != 0; };
+        for (FiberState& f : fibers) publish_if(f.own, coin);
+        for (BlockState& b : blocks) publish_if(b.granted, coin);
+        if (pending < before) return true;
+        for (FiberState& f : fibers)
+            if (!f.own.empty()) {
+                publish(f.own[0]);
+                return true;
+            }
+        for (BlockState& b : blocks)
+            if (!b.granted.empty()) {
+                publish(b.granted[0]);
+                return true;
+            }
+        return true;
+    }
+
+    [[gnu::noinline]] void publish_all() {
+        if (pending == 0) return;
+        const auto all = [](const PendingStore&) { return true; };
+        for (FiberState& f : fibers) publish_if(f.own, all);
+        for (BlockState& b : blocks) publish_if(b.granted, all);
+    }
+};
+
 // Fiber stacks of this OS thread, kept between launches (one mapping, grown on demand).
 struct StackPool {
     unsigned char* base = nullptr;
@@ -198,6 +495,12 @@ thread_local Launch* current_launch __attribute__((tls_model("initial-exec"))) =
 thread_local std::string last_failure;
 
 void fiber_entry(void* arg);
+
+}  // namespace
+
+thread_local bool relaxed_memory __attribute__((tls_model("initial-exec"))) = false;
+
+namespace {
 
 struct Launch {
     std::string kernel;
@@ -244,6 +547,10 @@ struct Launch {
     std::string failure;
     int traps = 0;
     std::vector<std::string> printed;
+
+    // Last, so that the scheduler's fields above keep their small offsets (and its code its size).
+    bool relaxed = false;  // Schedule::memory is kRelaxed
+    RelaxedMemory memory;
 
     // --- runnable set ---------------------------------------------------------------------------
     void add_runnable(Fiber* f) {
@@ -297,6 +604,7 @@ struct Launch {
 
     // --- switching --------------------------------------------------------------------------------
     void switch_from(Fiber* f, Fiber* next) {
+        if (relaxed) memory.switch_view(f, next);
         current = next;
         switch_to(&f->context, &next->context);
         resumed(f);
@@ -313,6 +621,7 @@ struct Launch {
     void leave(Fiber* f, bool exits) {
         if (!runnable.empty()) {
             Fiber* next = pick(f->id);
+            if (relaxed) memory.leave(f, next, exits);
             current = next;
             switch_to(&f->context, &next->context, exits);
             resumed(f);
@@ -385,6 +694,10 @@ struct Launch {
             wait_for_peers();
             return;
         }
+        if (relaxed && memory.publish_some()) {  // they may wait for stores still pending
+            note_change();
+            return;
+        }
         if (probe_epoch != epoch) {  // every runnable fiber spins: one more full round to be sure
             probe_epoch = ++epoch;
             return;
@@ -432,11 +745,11 @@ struct Launch {
     }
 
     // --- checks of warp convergence ---------------------------------------------------------------------
-    void require_converged(Fiber* f, const char* doing) {
+    void require_converged(Fiber* f, const char* doing, const char* what = "") {
         Warp& w = *f->warp;
         if (w.at_barrier == 0) return;
         fail(cudaErrorIllegalInstruction,
-             where(f) + " " + doing + " while " + std::to_string(w.at_barrier) + " lane(s) of its warp wait at " +
+             where(f) + " " + doing + what + " while " + std::to_string(w.at_barrier) + " lane(s) of its warp wait at " +
                  barrier_name(w.barrier_id) + ": bar.sync needs the whole warp converged (add __syncwarp() first)");
     }
 };
@@ -516,7 +829,7 @@ std::string report(const Launch& L, const std::string& what) {
                        std::to_string(L.block_dim.x) + " threads: " + what;
     text += "\n  schedule: " + std::string(policy_name(L.schedule.policy)) + " seed=" + std::to_string(L.schedule.seed) +
             (L.schedule.policy == Policy::kPct ? " depth=" + std::to_string(L.schedule.pct_depth) : std::string()) +
-            ", launch " + std::to_string(L.index) + " of its stream (the same seed replays it)";
+            " memory=" + memory_name(L.schedule.memory) + ", launch " + std::to_string(L.index) + " of its stream (the same seed replays it)";
     if (!L.printed.empty()) {
         text += "\n  device printf (each distinct line once):";
         std::set<std::string> seen;
@@ -546,6 +859,7 @@ void yield_at(Event event, const void* site) {
     } else if (event == Event::kRelease || event == Event::kAtomic) {
         L.note_change();
     }
+    if (L.relaxed) L.memory.publish_at_random(f);
     if (L.schedule.policy == Policy::kPct) {
         if (spin) L.demote(f);
         while (L.next_change < L.change_points.size() && L.steps >= L.change_points[L.next_change]) {
@@ -555,11 +869,25 @@ void yield_at(Event event, const void* site) {
     }
     Fiber* next = L.pick(f->id);
     if (next != f) L.switch_from(f, next);
+    if (event == Event::kFence && L.relaxed) L.memory.fence(f);
 }
 
 }  // namespace
 
 void yield(Event event) { yield_at(event, __builtin_return_address(0)); }
+
+void tracked_store(void* ptr, const void* value, size_t size) {
+    Launch& L = launch_state();
+    if (size > kMaxTrackedBytes || size % 4 != 0 || reinterpret_cast<uintptr_t>(ptr) % 4 != 0)
+        L.fail(cudaErrorIllegalInstruction, L.where(L.current) + ": a tracked store must be 4-byte aligned words, at most " +
+                                                std::to_string(kMaxTrackedBytes) + " bytes");
+    L.memory.store(L.current, ptr, value, size);
+}
+
+void before_write(const void* ptr, size_t size, bool release) {
+    Launch& L = launch_state();
+    L.memory.before_write(L.current, ptr, size, release);
+}
 
 long long clock64() {
     yield_at(Event::kClock, __builtin_return_address(0));
@@ -612,9 +940,9 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
     Fiber* f = L.current;
     Warp& w = *f->warp;
     const int lane = f->lane;
-    const std::string name = collective_name(kind);
+    const char* name = collective_name(kind);  // the failure messages are built only when a launch fails
     if (((mask >> lane) & 1u) == 0) L.fail(cudaErrorIllegalInstruction, L.where(f) + " calls " + name + " with a mask that excludes itself");
-    L.require_converged(f, ("reaches " + name).c_str());
+    L.require_converged(f, "reaches ", name);
     for (int j = 0; j < kWarp; ++j) {
         if (((mask >> j) & 1u) == 0) continue;
         if (j >= static_cast<int>(w.lanes.size()) || w.lanes[j]->state == State::kExited)
@@ -670,6 +998,7 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
         other->collective_result = result;
         if (other != f) L.add_runnable(other);
     }
+    if (L.relaxed) L.memory.grant_collective(w, mask, f);
     w.arrived = 0;
     return f->collective_result;
 }
@@ -679,24 +1008,23 @@ void block_barrier(int id, int threads, bool aligned) {
     Fiber* f = L.current;
     Block& b = *f->block;
     Warp& w = *f->warp;
-    const std::string name = barrier_name(id);
     if (id < 0 || id >= kMaxBarriers) L.fail(cudaErrorIllegalInstruction, L.where(f) + ": barrier id " + std::to_string(id) + " out of range");
     const int expected = threads < 0 ? b.num_threads : threads;
     if (expected <= 0 || expected % kWarp != 0 || expected > b.num_threads)
-        L.fail(cudaErrorIllegalInstruction, L.where(f) + ": " + name + " over " + std::to_string(expected) +
+        L.fail(cudaErrorIllegalInstruction, L.where(f) + ": " + barrier_name(id) + " over " + std::to_string(expected) +
                                                 " threads (must be a multiple of 32, at most the block's)");
     if (threads < 0 && b.exited > 0)
         L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches __syncthreads after " + std::to_string(b.exited) +
                                                 " thread(s) of its block exited");
     if (aligned && w.arrived > 0)
-        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + name + " while lanes of its warp wait at " + collective_name(w.kind));
+        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + barrier_name(id) + " while lanes of its warp wait at " + collective_name(w.kind));
     if (aligned && w.at_barrier > 0 && w.barrier_id != id)
-        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + name + " while lanes of its warp wait at " + barrier_name(w.barrier_id));
+        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + barrier_name(id) + " while lanes of its warp wait at " + barrier_name(w.barrier_id));
     Barrier& bar = b.barriers[id];
     if (bar.waiting.empty()) {
         bar.expected = expected;
     } else if (bar.expected != expected) {
-        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + name + " counting " + std::to_string(expected) +
+        L.fail(cudaErrorIllegalInstruction, L.where(f) + " reaches " + barrier_name(id) + " counting " + std::to_string(expected) +
                                                 " threads while others count " + std::to_string(bar.expected));
     }
     if (static_cast<int>(bar.waiting.size()) + 1 < bar.expected) {
@@ -712,6 +1040,7 @@ void block_barrier(int id, int threads, bool aligned) {
         L.leave(f, false);
         return;
     }
+    if (L.relaxed) L.memory.grant_barrier(bar.waiting, f);
     for (Fiber* other : bar.waiting) {
         Warp& ow = *other->warp;
         if (ow.at_barrier > 0 && --ow.at_barrier == 0) ow.barrier_id = -1;
@@ -765,6 +1094,11 @@ int launch(const char* launcher, int blocks, int threads, Stream* stream, bool c
         last_failure = report(L, "a launch from inside a kernel");
         return cudaErrorNotSupported;
     }
+    L.relaxed = L.schedule.memory == Memory::kRelaxed;
+    if (L.relaxed && L.cross_process) {  // undoing a pending store would show its peers the value going back
+        last_failure = report(L, "the relaxed memory mode needs every rank of the group in this process's launch");
+        return cudaErrorNotSupported;
+    }
     const size_t total = static_cast<size_t>(blocks) * threads;
     unsigned char* stacks = stack_pool.acquire(total);
     if (stacks == nullptr) {
@@ -775,6 +1109,10 @@ int launch(const char* launcher, int blocks, int threads, Stream* stream, bool c
     L.rng.seed(splitmix64(L.schedule.seed ^ splitmix64(L.index + 1)));
     L.fibers.resize(total);
     L.blocks.resize(blocks);
+    if (L.relaxed) {  // it draws from a random stream of its own: the scheduler's choices stay those of the seed
+        L.memory.rng.seed(splitmix64(splitmix64(L.schedule.seed ^ splitmix64(L.index + 1)) ^ 0x6d656d6f7279ULL));
+        L.memory.start(total, blocks);
+    }
     L.position.assign(total, -1);
     L.bitmap.assign((total + 63) / 64, 0);
     std::vector<int64_t> priorities(total);
@@ -815,12 +1153,15 @@ int launch(const char* launcher, int blocks, int threads, Stream* stream, bool c
     }
 
     current_launch = &L;
+    relaxed_memory = L.relaxed;
     blockDim = L.block_dim;
     gridDim = L.grid_dim;
     Fiber* first = L.pick(-1);
     L.current = first;
     switch_to(&L.host, &first->context);
     current_launch = nullptr;
+    relaxed_memory = false;
+    if (L.relaxed) L.memory.publish_all();
 
     int status = L.status;
     std::string what = L.failure;

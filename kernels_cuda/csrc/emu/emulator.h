@@ -20,13 +20,22 @@
 //    fibers;
 //  * __trap ends the launch (as a GPU context would); the host gets an error, not a crash;
 //  * a cooperative grid larger than Schedule::sm_count blocks is refused, as on a GPU.
+//
+// Memory is sequentially consistent by default: a store is seen by every fiber at once. Under
+// Memory::kRelaxed, plain stores that other threads read (ep_ptx.cuh's st_plain / st_int4) stay
+// pending, seen by the storing thread only, until the PTX memory model makes them visible (the
+// rules are at "the relaxed memory mode" in emulator.cpp and in docs/kernels_emulation.md), so that
+// a missing fence or a release downgraded to a plain store shows as stale data. Stores become visible
+// eventually: when every runnable fiber spins, pending ones are published before a deadlock is found.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 namespace ep_emu {
 
 enum class Policy : int { kRoundRobin = 0, kRandom = 1, kPct = 2 };
+enum class Memory : int { kSequential = 0, kRelaxed = 1 };
 
 struct Schedule {
     Policy policy = Policy::kRoundRobin;
@@ -34,6 +43,7 @@ struct Schedule {
     int pct_depth = 3;            // PCT's d: d - 1 priority change points per launch
     int64_t pct_steps = 1 << 20;  // PCT's horizon: change points fall in the first this many steps
     int sm_count = 132;           // blocks one cooperative launch may keep resident (an H200's SMs)
+    Memory memory = Memory::kSequential;
 };
 
 // The emulated stream (cudaStream_t of the emulation): the schedule its launches run under, and a
@@ -62,6 +72,15 @@ enum class Event : uint8_t {
 };
 
 void yield(Event event);
+
+// The relaxed memory mode's hooks (device.h calls them only while `relaxed_memory` is set, i.e. inside a
+// launch under Memory::kRelaxed). tracked_store: a plain store of `size` bytes (at most 16, 4-byte
+// aligned) that stays pending. before_write: the calling thread is about to write [ptr, ptr + size)
+// with an atomic, release or volatile (strong) store; `release`: the write is a release.
+extern thread_local bool relaxed_memory __attribute__((tls_model("initial-exec")));
+void tracked_store(void* ptr, const void* value, size_t size);
+void before_write(const void* ptr, size_t size, bool release);
+
 long long clock64();
 void nanosleep(unsigned ns);
 [[noreturn]] void trap();

@@ -20,8 +20,9 @@ class LaunchStream {
    public:
     cudaStream_t get() { return &stream_; }
 
-    // policy: "round_robin", "random" or "pct" (emulator.h).
-    void set_schedule(const std::string& policy, uint64_t seed, int pct_depth, int64_t pct_steps, int sm_count) {
+    // policy: "round_robin", "random" or "pct"; memory: "sequential" or "relaxed" (emulator.h).
+    void set_schedule(const std::string& policy, uint64_t seed, int pct_depth, int64_t pct_steps, int sm_count,
+                      const std::string& memory) {
         ep_emu::Schedule& s = stream_.schedule;
         if (policy == "round_robin") {
             s.policy = ep_emu::Policy::kRoundRobin;
@@ -33,7 +34,10 @@ class LaunchStream {
             TORCH_CHECK(false, "kernels_cuda emulation: unknown schedule policy '", policy,
                         "' (round_robin, random or pct)");
         }
+        TORCH_CHECK(memory == "sequential" || memory == "relaxed", "kernels_cuda emulation: unknown memory mode '", memory,
+                    "' (sequential or relaxed)");
         TORCH_CHECK(pct_depth >= 1 && pct_steps >= 1 && sm_count >= 1, "kernels_cuda emulation: bad schedule");
+        s.memory = memory == "relaxed" ? ep_emu::Memory::kRelaxed : ep_emu::Memory::kSequential;
         s.seed = seed;
         s.pct_depth = pct_depth;
         s.pct_steps = pct_steps;

@@ -207,6 +207,8 @@ void bind_runtime_core(py::class_<Runtime, Options...>& cls) {
     cls.def("error_record", &Runtime::error_record);
 #if defined(EP_CPU_EMULATION)
     cls.def("set_schedule", [](Runtime& r, const std::string& policy, uint64_t seed, int depth, int64_t steps,
-                               int sm_count) { r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count); });
+                               int sm_count, const std::string& memory) {
+        r.launch_stream().set_schedule(policy, seed, depth, steps, sm_count, memory);
+    });
 #endif
 }

@@ -88,8 +88,8 @@ __device__ void nvl_sender(const Ctx& x, const Transport<B>& nvl, int g) {
                 const int64_t offset = nl.slot(c, gpu, n, N, start + k);
                 nvl.put_warp(g, offset, static_cast<const int4*>(a.x) + row * p.hidden_int4, p.hidden_int4);
                 if (lane < p.num_topk)
-                    nvl.template peer_ptr<float>(g, offset + p.record.weights_offset)[lane] =
-                        a.topk_weights != nullptr ? a.topk_weights[row * p.num_topk + lane] : 0.0f;
+                    st_plain(nvl.template peer_ptr<float>(g, offset + p.record.weights_offset) + lane,
+                             a.topk_weights != nullptr ? a.topk_weights[row * p.num_topk + lane] : 0.0f);
             }
             nvl.quiet();
             __syncwarp();
@@ -156,7 +156,7 @@ __device__ void forwarder(const Ctx& x, const RdmaTransport<B>& rdma, const Tran
                     if (j >= G || slots[j] < 0) continue;
                     sum += nvl.template peer_ptr<float>(gpu, nl.slot(c, j, n, N, slots[j]) + p.record.weights_offset)[lane];
                 }
-                reinterpret_cast<float*>(out + p.record.weights_offset)[lane] = sum;
+                st_plain(reinterpret_cast<float*>(out + p.record.weights_offset) + lane, sum);
             }
         }
         __syncwarp();  // the put reads what other lanes wrote
@@ -233,7 +233,7 @@ __device__ void rdma_receiver(const Ctx& x, const RdmaTransport<B>& rdma, volati
                 if (slots[m] < 0) continue;
                 V::add(acc, ld_int4(rdma.template local<int4>(rl.slot(rl.recv_data, x.channel, m, slots[m])) + v));
             }
-            st_int4(out + v, V::pack(acc));
+            out[v] = V::pack(acc);
         }
         if (a.combined_topk_weights != nullptr && lane < p.num_topk) {
             float sum = 0.0f;

@@ -60,11 +60,11 @@ __device__ void send_channel_meta(const Ctx& x, const RdmaTransport<B>& rdma) {
     for (int m = warp_id(); m < N; m += kRdmaSenderWarps) {
         const int value = k < 2 + 2 * G ? meta_value(x.a, x.p.num_channels, x.channel, m, G, k) : 0;
         if (m == me) {
-            if (k < kRdmaMetaInts) rdma.template local<int>(rl.meta_entry(rl.meta, x.channel, me))[k] = value;
+            if (k < kRdmaMetaInts) st_plain(rdma.template local<int>(rl.meta_entry(rl.meta, x.channel, me)) + k, value);
             continue;
         }
         int* staged = rdma.template local<int>(rl.meta_entry(rl.send_meta, x.channel, m));
-        if (k < kRdmaMetaInts) staged[k] = value;
+        if (k < kRdmaMetaInts) st_plain(staged + k, value);
         __syncwarp();
         rdma.put_warp(m, rl.meta_entry(rl.meta, x.channel, me), reinterpret_cast<const int4*>(staged), kRdmaMetaInts / 4);
     }
@@ -92,13 +92,18 @@ __device__ void write_records(const Ctx& x, int t, unsigned nodes, uint8_t* my_s
         uint8_t* slot = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_slot), m));
         const int mask = __shfl_sync(0xffffffffu, my_mask, m);
         float* scales = reinterpret_cast<float*>(slot + rec.scales_offset);
-        for (int i = lane_id(); i < p.num_scales; i += 32) scales[i] = a.x_scales[t * a.scale_token_stride + i * a.scale_hidden_stride];
+        for (int i = lane_id(); i < p.num_scales; i += 32)
+            st_plain(scales + i, a.x_scales[t * a.scale_token_stride + i * a.scale_hidden_stride]);
         int* meta = reinterpret_cast<int*>(slot + rec.src_offset);
-        if (lane_id() == 0) meta[0] = t, meta[1] = x.a.peers.node, meta[2] = mask;
+        if (lane_id() == 0) {
+            st_plain(meta, t);
+            st_plain(meta + 1, x.a.peers.node);
+            st_plain(meta + 2, mask);
+        }
         if (a.topk_idx != nullptr && lane_id() < p.num_topk) {
             const int64_t k = static_cast<int64_t>(t) * p.num_topk + lane_id();
-            reinterpret_cast<int*>(slot + rec.idx_offset)[lane_id()] = static_cast<int>(a.topk_idx[k]);
-            reinterpret_cast<float*>(slot + rec.weights_offset)[lane_id()] = a.topk_weights[k];
+            st_plain(reinterpret_cast<int*>(slot + rec.idx_offset) + lane_id(), static_cast<int>(a.topk_idx[k]));
+            st_plain(reinterpret_cast<float*>(slot + rec.weights_offset) + lane_id(), a.topk_weights[k]);
         }
     }
 }
@@ -137,7 +142,7 @@ __device__ void rdma_sender(const Ctx& x, const RdmaTransport<B>& rdma, volatile
             named_barrier(kSenderBarrier, kRdmaSenderWarps * 32);
             if (warp == 0 && lane < N) {
                 __threadfence_block();
-                released[lane] = slot;
+                st_volatile(released + lane, slot);
             }
         }
     }
@@ -217,7 +222,7 @@ __device__ void nvl_receiver(const Ctx& x, const Transport<B>& nvl, int f) {
             if (lane == node) ++next_row;
             const int4* src = reinterpret_cast<const int4*>(slot);
             int4* dst = static_cast<int4*>(a.recv_x) + static_cast<int64_t>(row) * p.hidden_int4;
-            for (int v = lane; v < p.hidden_int4; v += 32) st_int4(dst + v, ld_int4(src + v));
+            for (int v = lane; v < p.hidden_int4; v += 32) dst[v] = ld_int4(src + v);
             const float* scales = reinterpret_cast<const float*>(slot + rec.scales_offset);
             for (int v = lane; v < p.num_scales; v += 32) a.recv_x_scales[static_cast<int64_t>(row) * p.num_scales + v] = scales[v];
             if (lane == 0) a.recv_src_idx[row] = meta[0];

@@ -24,7 +24,6 @@ namespace ep {
 namespace {
 
 __device__ __forceinline__ int read_volatile(const int* ptr) { return *reinterpret_cast<const volatile int*>(ptr); }
-__device__ __forceinline__ void write_volatile(int* ptr, int value) { *reinterpret_cast<volatile int*>(ptr) = value; }
 
 template <Backend B>
 __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeNotifyRankArgs& a) {
@@ -47,7 +46,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
         const int value = k < G ? a.num_tokens_per_rank[m * G + k]
                           : k == G ? a.num_tokens_per_node[m]
                                    : a.num_tokens_per_expert[m * node_experts + k - G - 1];
-        staging[m * kRdmaNotifyInts + k] = value;
+        st_plain(&staging[m * kRdmaNotifyInts + k], value);
     }
     __syncthreads();
     for (int m = warp_id(); m < N; m += blockDim.x / 32)
@@ -63,17 +62,17 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
             sum += read_volatile(rows + n * kRdmaNotifyInts + G);
             a.recv_rdma_rank_prefix_sum[n] = sum;
         }
-        if (a.recv_rdma_counter != nullptr) write_volatile(a.recv_rdma_counter, sum);
+        if (a.recv_rdma_counter != nullptr) st_volatile(a.recv_rdma_counter, sum);
     }
     for (int i = threadIdx.x; i < G * N; i += blockDim.x) {
         const int j = i / N, n = i % N;
-        nvl.template peer_ptr<int>(j, nl.notify + (gpu * kNvlNotifyInts + n) * 4)[0] = read_volatile(rows + n * kRdmaNotifyInts + j);
+        st_plain(nvl.template peer_ptr<int>(j, nl.notify + (gpu * kNvlNotifyInts + n) * 4), read_volatile(rows + n * kRdmaNotifyInts + j));
     }
     for (int i = threadIdx.x; i < G * local_experts; i += blockDim.x) {
         const int j = i / local_experts, e = i % local_experts;
         int sum = 0;
         for (int n = 0; n < N; ++n) sum += read_volatile(rows + n * kRdmaNotifyInts + G + 1 + j * local_experts + e);
-        nvl.template peer_ptr<int>(j, nl.notify + (gpu * kNvlNotifyInts + kMaxRdmaPeers + e) * 4)[0] = sum;
+        st_plain(nvl.template peer_ptr<int>(j, nl.notify + (gpu * kNvlNotifyInts + kMaxRdmaPeers + e) * 4), sum);
     }
     node_barrier(nvl, nl, rank, gpu, p.timeout_cycles, p.error);
 
@@ -82,7 +81,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
     for (int e = threadIdx.x; e < local_experts && a.recv_expert_counter != nullptr; e += blockDim.x) {
         int sum = 0;
         for (int f = 0; f < G; ++f) sum += read_volatile(mine + f * kNvlNotifyInts + kMaxRdmaPeers + e);
-        write_volatile(a.recv_expert_counter + e, ceil_div(sum, p.expert_alignment) * p.expert_alignment);
+        st_volatile(a.recv_expert_counter + e, ceil_div(sum, p.expert_alignment) * p.expert_alignment);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -93,7 +92,7 @@ __device__ void exchange_counts(const InternodeNotifyParams& p, const InternodeN
         }
         if (a.recv_counter != nullptr) {  // nullptr with num_worst_tokens: the host reads no counts
             __threadfence_system();  // expert counts before the total the host polls on
-            write_volatile(a.recv_counter, sum);
+            st_volatile(a.recv_counter, sum);
             __threadfence_system();
         }
     }

@@ -47,8 +47,8 @@ __device__ void combine_sender(const CombineParams& p, const CombineRankArgs& a,
             const int64_t offset = layout.slot(channel, me, tail + j);
             net.put_warp(dst, offset, static_cast<const int4*>(a.x) + static_cast<int64_t>(row) * p.hidden_int4, p.hidden_int4);
             if (lane_id() < p.num_topk)
-                net.template peer_ptr<float>(dst, offset + p.record.weights_offset)[lane_id()] =
-                    a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(row) * p.num_topk + lane_id()] : 0.0f;
+                st_plain(net.template peer_ptr<float>(dst, offset + p.record.weights_offset) + lane_id(),
+                         a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(row) * p.num_topk + lane_id()] : 0.0f);
         }
         tail += n;
         net.quiet();
@@ -123,7 +123,7 @@ __device__ void combine_receiver(const CombineParams& p, const CombineRankArgs& 
                 if (r >= num_ranks || slots[r] < 0) continue;
                 V::add(acc, ld_int4(net.template peer_ptr<int4>(me, layout.slot(channel, r, slots[r])) + i));
             }
-            st_int4(out + i, V::pack(acc));
+            out[i] = V::pack(acc);
         }
         if (a.combined_topk_weights != nullptr && lane < p.num_topk) {
             float sum = 0.0f;

@@ -25,12 +25,12 @@ __device__ void send_record(const DispatchParams& p, const DispatchRankArgs& a, 
     net.put_warp(dst, offset, static_cast<const int4*>(a.x) + static_cast<int64_t>(token) * p.hidden_int4, p.hidden_int4);
     float* scales = net.template peer_ptr<float>(dst, offset + rec.scales_offset);
     for (int i = lane_id(); i < p.num_scales; i += 32)
-        scales[i] = a.x_scales[token * a.scale_token_stride + i * a.scale_hidden_stride];
-    if (lane_id() == 0) *net.template peer_ptr<int>(dst, offset + rec.src_offset) = token;
+        st_plain(scales + i, a.x_scales[token * a.scale_token_stride + i * a.scale_hidden_stride]);
+    if (lane_id() == 0) st_plain(net.template peer_ptr<int>(dst, offset + rec.src_offset), token);
     if (a.topk_idx != nullptr && lane_id() < p.num_topk) {
         const int64_t k = static_cast<int64_t>(token) * p.num_topk + lane_id();
-        net.template peer_ptr<int>(dst, offset + rec.idx_offset)[lane_id()] = static_cast<int>(a.topk_idx[k]);
-        net.template peer_ptr<float>(dst, offset + rec.weights_offset)[lane_id()] = a.topk_weights[k];
+        st_plain(net.template peer_ptr<int>(dst, offset + rec.idx_offset) + lane_id(), static_cast<int>(a.topk_idx[k]));
+        st_plain(net.template peer_ptr<float>(dst, offset + rec.weights_offset) + lane_id(), a.topk_weights[k]);
     }
 }
 
@@ -39,7 +39,7 @@ __device__ void receive_record(const DispatchParams& p, const DispatchRankArgs& 
     const RecordLayout& rec = p.record;
     const int4* src = reinterpret_cast<const int4*>(slot);
     int4* dst = static_cast<int4*>(a.recv_x) + static_cast<int64_t>(row) * p.hidden_int4;
-    for (int i = lane_id(); i < p.hidden_int4; i += 32) st_int4(dst + i, ld_int4(src + i));
+    for (int i = lane_id(); i < p.hidden_int4; i += 32) dst[i] = ld_int4(src + i);
     const float* scales = reinterpret_cast<const float*>(slot + rec.scales_offset);
     for (int i = lane_id(); i < p.num_scales; i += 32) a.recv_x_scales[static_cast<int64_t>(row) * p.num_scales + i] = scales[i];
     if (lane_id() == 0) a.recv_src_idx[row] = *reinterpret_cast<const int*>(slot + rec.src_offset);

@@ -32,12 +32,12 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(cons
         rank_barrier(net, layout, me, num_ranks, p.timeout_cycles, p.error);  // the previous op is over everywhere
         for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
             const int dst = i / num_ranks, col = i % num_ranks;
-            *net.template peer_ptr<int>(dst, layout.notify_rank + (me * kMaxRanks + col) * 4) = a.num_tokens_per_rank[col];
+            st_plain(net.template peer_ptr<int>(dst, layout.notify_rank + (me * kMaxRanks + col) * 4), a.num_tokens_per_rank[col]);
         }
         for (int i = threadIdx.x; i < num_ranks * local_experts; i += blockDim.x) {
             const int dst = i / local_experts, e = i % local_experts;
-            *net.template peer_ptr<int>(dst, layout.notify_expert + (static_cast<int64_t>(me) * kMaxLocalExperts + e) * 4) =
-                a.num_tokens_per_expert[i];
+            st_plain(net.template peer_ptr<int>(dst, layout.notify_expert + (static_cast<int64_t>(me) * kMaxLocalExperts + e) * 4),
+                     a.num_tokens_per_expert[i]);
         }
         zero_ring_metadata(net, layout, me);
         rank_barrier(net, layout, me, num_ranks, p.timeout_cycles, p.error);
@@ -57,14 +57,14 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_dispatch_kernel(cons
             int sum = 0;
             for (int src = 0; src < num_ranks; ++src) sum += read_volatile(experts + src * kMaxLocalExperts + e);
             const int aligned = (sum + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
-            *reinterpret_cast<volatile int*>(a.recv_expert_counter + e) = aligned;
+            st_volatile(a.recv_expert_counter + e, aligned);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
             int total = 0;
             for (int src = 0; src < num_ranks; ++src) total += read_volatile(rows + src * kMaxRanks + me);
             __threadfence_system();  // expert counts before the total the host polls on
-            *reinterpret_cast<volatile int*>(a.recv_counter) = total;
+            st_volatile(a.recv_counter, total);
             __threadfence_system();
         }
         return;
