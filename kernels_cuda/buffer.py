@@ -30,6 +30,7 @@ from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
 from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
+from kernels_cuda.low_latency import LowLatencyEngine, LowLatencyHandle, check_hook_args, size_hint
 from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
                                   check_stream_args)
 
@@ -213,12 +214,18 @@ class Buffer:
     PE = EP rank, and later buffers reuse that world); 'auto' picks by host names. On the CPU emulation
     (`device="cpu"`, the default without a GPU) the regions are shared memory between the processes of
     one machine and `schedule` sets this rank's fiber scheduler.
+
+    `low_latency_mode=True` adds DeepEP's low-latency ops (`low_latency_dispatch`, `low_latency_combine`,
+    `get_next_low_latency_combine_buffer`, `clean_low_latency_buffer`) over a region of `num_rdma_bytes`
+    per rank (`get_low_latency_rdma_size_hint`), mapped by every peer as the intranode buffer is. It is
+    an allocation of its own (across nodes the normal kernels' RDMA region is another one of the same
+    size), so normal ops never dirty it; `clean_low_latency_buffer` is needed only after a failed op.
     """
 
     def __init__(self, group: Any, num_nvl_bytes: int, num_rdma_bytes: int = 0, *, ranks_per_node: int | None = None,
                  config: Config | InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
                  timeout_s: float = 100.0, rdma_transport: str = "auto", device: str | None = None,
-                 schedule: Schedule | None = None) -> None:
+                 schedule: Schedule | None = None, low_latency_mode: bool = False) -> None:
         import kernels_cuda
         import torch.distributed as dist
 
@@ -258,6 +265,17 @@ class Buffer:
             self.engine = IntranodeEngine(self.runtime, self.num_ranks, config, timeout_cycles, timeout_s,
                                           self.device, device_sms(self.device, schedule))
         self.runtime.open_ipc_handles(handles)
+        self.low_latency: LowLatencyEngine | None = None
+        if low_latency_mode:
+            if num_rdma_bytes <= 0:
+                raise ValueError("kernels_cuda Buffer: low_latency_mode needs num_rdma_bytes > 0 (see "
+                                 "Buffer.get_low_latency_rdma_size_hint)")
+            runtime = ext.LowLatencyRuntime(self.rank, self.num_ranks, int(num_rdma_bytes), False)
+            handles = [None] * self.num_ranks
+            dist.all_gather_object(handles, runtime.ipc_handle(), group=group)
+            runtime.open_ipc_handles(handles)
+            apply_schedule(runtime, self.device, schedule)
+            self.low_latency = LowLatencyEngine(runtime, self.num_ranks, timeout_cycles, device_sms(self.device, schedule))
         dist.barrier(group=group)  # every peer mapped this rank's regions
         apply_schedule(self.runtime, self.device, schedule)
         self.comm_stream = torch.cuda.Stream() if self.device == "cuda" else None
@@ -343,6 +361,71 @@ class Buffer:
             ((combined, weights),) = self.engine.combine([self.rank], [x], [handle], [topk_weights], config, op=op)
         return combined, weights, op.finish((x, handle, topk_weights), (combined, weights))
 
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """num_rdma_bytes per rank for low_latency_mode (independent of num_ranks, as in DeepEP)."""
+        return size_hint(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def _low_latency_engine(self) -> LowLatencyEngine:
+        if self.low_latency is None:
+            raise RuntimeError(f"kernels_cuda Buffer (rank {self.rank}): low-latency ops need "
+                               "Buffer(..., low_latency_mode=True)")
+        return self.low_latency
+
+    @contextlib.contextmanager
+    def _reporting_low_latency(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as error:
+            record = self._low_latency_engine().error_record()
+            if record["code"] == 0:
+                raise
+            raise RuntimeError(f"kernels_cuda Buffer (rank {self.rank}): {C.describe_error(record)}\n{error}") from error
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False) -> tuple:
+        """(recv_x, packed_recv_count, handle, event, hook), as deep_ep.Buffer.low_latency_dispatch; runs on
+        the current stream."""
+        check_hook_args(return_recv_hook, async_finish)
+        engine = self._low_latency_engine()
+        with self._reporting_low_latency():
+            ((recv_x, count, handle, _, hook),) = engine.dispatch(
+                [self.rank], [x], [topk_idx], num_max_dispatch_tokens_per_rank, num_experts,
+                [cumulative_local_expert_recv_stats], use_fp8, round_scale, use_ue8m0, return_recv_hook)
+        return recv_x, count, handle, capture() if async_finish else EventOverlap(), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None) -> tuple:
+        """(combined_x, event, hook), as deep_ep.Buffer.low_latency_combine; with `zero_copy` the expert
+        outputs are read from get_next_low_latency_combine_buffer(handle)."""
+        check_hook_args(return_recv_hook, async_finish)
+        engine = self._low_latency_engine()
+        with self._reporting_low_latency():
+            ((combined, _, hook),) = engine.combine([self.rank], [None if zero_copy else x], [topk_idx],
+                                                    [topk_weights], [handle], use_logfmt, return_recv_hook, [out])
+        return combined, capture() if async_finish else EventOverlap(), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The bfloat16 [E_local, R * T_max, H] view of this rank's region that the next combine reads with
+        `zero_copy=True`."""
+        return self._low_latency_engine().next_combine_buffer(self.rank, handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
+                                 num_experts: int = 0) -> None:
+        """Zeroes every rank's low-latency region (collective; DeepEP's arguments are accepted and unused:
+        the whole region is cleaned)."""
+        import torch.distributed as dist
+
+        engine = self._low_latency_engine()
+        dist.barrier(group=self.group)
+        engine.clean()
+        dist.barrier(group=self.group)
+
     def error_record(self) -> dict[str, Any]:
         """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
         return self.engine.error_record()
@@ -356,6 +439,8 @@ class Buffer:
             torch.cuda.synchronize()
         dist.barrier(group=self.group)
         self.runtime.destroy()
+        if self.low_latency is not None:
+            self.low_latency.runtime.destroy()
 
 
 def ranks_on_this_machine(group: Any) -> int:
@@ -381,7 +466,7 @@ class EmulatedGroup:
 
     def __init__(self, num_ranks: int, num_nvl_bytes: int, config: Config | None = None,
                  timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0, device: str | None = None,
-                 schedule: Schedule | None = None) -> None:
+                 schedule: Schedule | None = None, num_rdma_bytes: int = 0, low_latency_blocks: int = 4) -> None:
         import kernels_cuda
 
         self.device = resolve_device(device)
@@ -391,6 +476,12 @@ class EmulatedGroup:
         apply_schedule(self.runtime, self.device, schedule)
         self.engine = IntranodeEngine(self.runtime, num_ranks, config or Config(), timeout_cycles, timeout_s,
                                       self.device, device_sms(self.device, schedule))
+        self.low_latency: LowLatencyEngine | None = None
+        if num_rdma_bytes > 0:  # the low-latency region (Buffer.get_low_latency_rdma_size_hint)
+            runtime = ext.LowLatencyRuntime(0, num_ranks, int(num_rdma_bytes), True)
+            apply_schedule(runtime, self.device, schedule)
+            self.low_latency = LowLatencyEngine(runtime, num_ranks, timeout_cycles, device_sms(self.device, schedule),
+                                                low_latency_blocks)
 
     def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
         """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
@@ -419,6 +510,39 @@ class EmulatedGroup:
                 stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return self.engine.combine(range(self.num_ranks), ys, handles, topk_weights or [None] * self.num_ranks,
                                    config, stalled_rank)
+
+    def _low_latency_engine(self) -> LowLatencyEngine:
+        if self.low_latency is None:
+            raise RuntimeError("EmulatedGroup: low-latency ops need num_rdma_bytes > 0 (the low-latency region)")
+        return self.low_latency
+
+    def low_latency_dispatch(self, xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Sequence[torch.Tensor | None] | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False) -> list[tuple]:
+        """Per rank: (recv_x, packed_recv_count, handle, event, hook); one hook completes every rank."""
+        R = self.num_ranks
+        return self._low_latency_engine().dispatch(
+            range(R), xs, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats or [None] * R, use_fp8, round_scale, use_ue8m0, return_recv_hook)
+
+    def low_latency_combine(self, xs: Sequence[torch.Tensor] | None, topk_idx: Sequence[torch.Tensor],
+                            topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle],
+                            zero_copy: bool = False, return_recv_hook: bool = False,
+                            out: Sequence[torch.Tensor | None] | None = None) -> list[tuple]:
+        """Per rank: (combined_x, event, hook); with `zero_copy` (xs None) each rank's input is its
+        get_next_low_latency_combine_buffer."""
+        R = self.num_ranks
+        inputs = [None] * R if zero_copy else xs
+        return self._low_latency_engine().combine(range(R), inputs, topk_idx, topk_weights, handles, False,
+                                                  return_recv_hook, out or [None] * R)
+
+    def get_next_low_latency_combine_buffer(self, handles: Sequence[LowLatencyHandle]) -> list[torch.Tensor]:
+        return [self._low_latency_engine().next_combine_buffer(r, h) for r, h in enumerate(handles)]
+
+    def low_latency_error_record(self) -> dict[str, Any]:
+        return self._low_latency_engine().error_record()
 
     def error_record(self) -> dict[str, Any]:
         return self.engine.error_record()

@@ -20,7 +20,7 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC = PACKAGE_DIR / "csrc"
 CUDA_SOURCES = sorted((CSRC / "kernels").glob("*.cu"))
-HOST_SOURCES = [CSRC / "host" / "bindings.cpp", CSRC / "host" / "internode_runtime.cpp"]
+HOST_SOURCES = [CSRC / "host" / name for name in ("bindings.cpp", "internode_runtime.cpp", "low_latency_runtime.cpp")]
 # Kernel sources with a Backend::kNvshmem instantiation, and the NVSHMEM set-up (host code, compiled by
 # nvcc so that NVSHMEM's initialisation is device-linked with those kernels): NVSHMEM builds only.
 NVSHMEM_KERNEL_SOURCES = [p for p in CUDA_SOURCES if p.name.startswith("internode_")]

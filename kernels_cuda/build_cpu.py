@@ -26,11 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels_cuda.build import HOST_SOURCES
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 CSRC = PACKAGE_DIR / "csrc"
 EMU = CSRC / "emu"
 MODULE_NAME = "_C_cpu"
-HOST_FILES = ("host/bindings.cpp", "host/internode_runtime.cpp")  # relative to csrc/
 EMULATOR_FILES = ("emu/emulator.cpp", "emu/fiber.cpp", "emu/memory.cpp")
 COMMON_FLAGS = ["-std=c++20", "-O2", "-fPIC", "-fno-strict-aliasing", "-DEP_CPU_EMULATION", f"-I{EMU}", f"-I{CSRC}", "-Wall",
                 "-Wno-unknown-pragmas", "-Wno-sign-compare"]
@@ -122,7 +123,7 @@ def plan(csrc: Path = CSRC, asan: bool = False) -> Plan:
     context = [version.encode(), torch.__version__.encode(), *(h.read_bytes() for h in _headers(csrc))]
     objects = []
     kernels = sorted((csrc / "kernels").glob("*.cu"))
-    hosts = [csrc / f for f in HOST_FILES]
+    hosts = [csrc / source.relative_to(CSRC) for source in HOST_SOURCES]
     emulator = [csrc / f for f in EMULATOR_FILES]
     for source in [*hosts, *kernels, *emulator]:
         flags = [*common, *extra]

@@ -26,6 +26,11 @@ enum Role : int {
     kRoleCombineNvlCoordinator = 19,
     kRoleCombineRdmaReceiver = 20,
     kRoleCombineRdmaCoordinator = 21,
+    // low-latency
+    kRoleLowLatencyDispatchSender = 22,    // an expert's owner: waiting for this rank's copies to it, or the clean
+    kRoleLowLatencyDispatchReceiver = 23,  // waiting for a source's count for a local expert
+    kRoleLowLatencyCombineSender = 24,     // waiting for this op's clean of the next half
+    kRoleLowLatencyCombineReceiver = 25,   // waiting for an expert's flag
 };
 
 // Host-mapped; written once by the first spin that times out. Read by Runtime.error_record().

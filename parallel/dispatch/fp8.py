@@ -22,9 +22,16 @@ def quantize_e4m3(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Ten
     blocks = x.detach().float().view(tokens, hidden // BLOCK, BLOCK)
     scales = blocks.abs().amax(-1).clamp(min=AMAX_FLOOR) / E4M3_MAX
     if round_scale:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+        scales = power_of_two_ceil(scales)
     scaled = (blocks / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.view(tokens, hidden).to(torch.float8_e4m3fn), scales
+
+
+def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(v)) of positive normal floats, exactly: from the exponent and whether any mantissa bit
+    is set, as DeepEP's kernels compute it (float log2 rounds 2^k * (1 + 2^-23) down to k)."""
+    mantissa, exponent = torch.frexp(values)  # values = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(values), torch.where(mantissa == 0.5, exponent - 1, exponent))
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:

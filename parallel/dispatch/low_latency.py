@@ -25,10 +25,15 @@ of a group in token order, which is one of the orders the kernels may produce; c
 
 Double buffering. DeepEP's buffer has two halves used in turn by consecutive low-latency ops
 (dispatch or combine), because signalling is one-way (data, then a count or flag, never an
-acknowledgement), and each op zeroes the next half's signals. An op's received data therefore lives
-in its half until its receive completes, so at most 2 results may be outstanding: an op whose half
-still holds a result whose `hook()` was not called raises here (on a GPU it would overwrite it). The
-zero-copy combine buffer (`get_next_low_latency_combine_buffer`) is the next op's half.
+acknowledgement), and each op zeroes the next half's signals as it starts. An op's sends into a
+peer's half are safe once that peer has started the previous op (which zeroed the half, after
+finishing the op before that, its last user). Completing an op's receive proves every peer started
+it; a pending hook proves nothing, so a rank whose hook is pending could be overwritten or have its
+unread signals zeroed by a peer that runs ahead. Hence the rule here and in the kernels
+(`kernels_cuda.Buffer`): call an op's hook before the next low-latency op, which raises otherwise.
+With it, any three consecutive ops are safe, and at most 2 results live in the buffer at once (the
+op whose receive is pending, and the zero-copy combine input written into the next half).
+The zero-copy combine buffer (`get_next_low_latency_combine_buffer`) is the next op's half.
 
 `return_recv_hook=True` issues the send now and returns `hook`, which completes the receive (the
 outputs are valid after it); otherwise the op completes before it returns and `hook` is None. Events
@@ -41,22 +46,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from kernels_cuda.low_latency import (PENDING_HOOK, LowLatencyHandle, check_combine, check_dispatch,
+                                      check_hook_args, column_major)
 from kernels_cuda.streams import EventOverlap
 from parallel.dispatch.comm import Comm
 from parallel.dispatch.fp8 import BLOCK, pack_ue8m0, quantize_e4m3
-
-MAX_TOPK = 11  # DeepEP's low-latency kernels take top-k <= 11
-
-
-class LowLatencyHandle(NamedTuple):
-    """DeepEP's low-latency handle `(src_info, layout_range, T_max, H, E)`."""
-
-    src_info: torch.Tensor      # [E_local, R * T_max] int32
-    layout_range: torch.Tensor  # [E_local, R] int64: (begin << 32) | count
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
-
 
 @dataclass
 class _Half:
@@ -82,13 +76,6 @@ def _exchange(comm: Comm, send: torch.Tensor) -> Callable[[], torch.Tensor]:
     return wait
 
 
-def _column_major(rows: torch.Tensor) -> torch.Tensor:
-    """[E, N, S] with strides (N * S, 1, N): DeepEP's scale layout."""
-    out = torch.empty(rows.shape[0], rows.shape[2], rows.shape[1], dtype=rows.dtype, device=rows.device)
-    out.copy_(rows.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
 class LowLatencyExchange:
     """One EP rank's low-latency dispatch and combine with DeepEP's signatures and return values.
 
@@ -104,19 +91,17 @@ class LowLatencyExchange:
     # ------------------------------------------------------------------ the double buffer
 
     def _take_half(self, op: str) -> _Half:
+        if any(h.pending for h in self._halves):
+            raise RuntimeError(f"low_latency_{op}: {PENDING_HOOK} (the one-way signals of the double buffer are safe "
+                               "only then)")
         half = self._halves[self._next]
-        if half.pending:
-            raise RuntimeError(f"low_latency_{op}: the op two calls ago still holds this half of the buffer: call its "
-                               "hook first (DeepEP's double buffering allows at most 2 results outstanding)")
         self._next ^= 1
         return half
 
     def _complete(self, half: _Half, receive: Callable[[], Any], return_recv_hook: bool,
                   async_finish: bool) -> tuple[Any, Callable[[], None] | None]:
         """Run `receive` now, or return it as the hook; `receive` fills the outputs in place."""
-        if return_recv_hook and async_finish:
-            raise ValueError("return_recv_hook and async_finish cannot both be set (hook mode runs on the compute "
-                             "stream)")
+        check_hook_args(return_recv_hook, async_finish)
         if not return_recv_hook:
             receive()
             return None
@@ -149,8 +134,8 @@ class LowLatencyExchange:
         """(recv_x, packed_recv_count, handle, event, hook); recv_x is packed_recv_x, or with `use_fp8`
         (packed_recv_x, packed_recv_x_scales)."""
         R, T_max = self.comm.size, num_max_dispatch_tokens_per_rank
-        self._check_dispatch(x, topk_idx, T_max, num_experts, use_fp8, round_scale, use_ue8m0,
-                             cumulative_local_expert_recv_stats)
+        check_dispatch(f"low_latency_dispatch (rank {self.comm.rank})", R, x, topk_idx, T_max, num_experts, use_fp8,
+                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats)
         half = self._take_half("dispatch")
         tokens, hidden = x.shape
         local = num_experts // R
@@ -183,8 +168,8 @@ class LowLatencyExchange:
         packed_x = torch.empty(local, R * T_max, hidden, device=device,
                                dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
         scale_cols = hidden // BLOCK // (4 if use_ue8m0 else 1)
-        packed_scales = None if not use_fp8 else _column_major(torch.zeros(
-            local, R * T_max, scale_cols, dtype=torch.int32 if use_ue8m0 else torch.float32, device=device))
+        packed_scales = None if not use_fp8 else column_major(
+            local, scale_cols, R * T_max, torch.int32 if use_ue8m0 else torch.float32, device)
         src_info = torch.full((local, R * T_max), -1, dtype=torch.int32, device=device)
         layout_range = torch.zeros(local, R, dtype=torch.int64, device=device)
         packed_count = torch.zeros(local, dtype=torch.int32, device=device)
@@ -214,36 +199,6 @@ class LowLatencyExchange:
         handle = LowLatencyHandle(src_info, layout_range, T_max, hidden, num_experts)
         return recv_x, packed_count, handle, EventOverlap(), hook
 
-    def _check_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, T_max: int, num_experts: int, use_fp8: bool,
-                        round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None) -> None:
-        where = f"low_latency_dispatch (rank {self.comm.rank})"
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"{where}: x must be bfloat16 [num_tokens, hidden], got {x.dtype} {list(x.shape)}")
-        if x.shape[0] > T_max:
-            raise ValueError(f"{where}: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={T_max}")
-        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            raise ValueError(f"{where}: topk_idx must be int64 [num_tokens={x.shape[0]}, num_topk], got "
-                             f"{topk_idx.dtype} {list(topk_idx.shape)}")
-        if not 1 <= topk_idx.shape[1] <= MAX_TOPK:
-            raise ValueError(f"{where}: num_topk must be in [1, {MAX_TOPK}], got {topk_idx.shape[1]}")
-        if num_experts % self.comm.size:
-            raise ValueError(f"{where}: {num_experts} experts do not split over {self.comm.size} ranks")
-        if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= num_experts):
-            raise ValueError(f"{where}: topk_idx holds ids outside [-1, {num_experts})")
-        ordered = topk_idx.sort(dim=1).values
-        if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
-            raise ValueError(f"{where}: a token lists the same expert twice in topk_idx")
-        if use_fp8 and x.shape[1] % BLOCK:
-            raise ValueError(f"{where}: use_fp8 needs the hidden size to be a multiple of {BLOCK}, got {x.shape[1]}")
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError(f"{where}: use_ue8m0 needs use_fp8 and round_scale (UE8M0 scales are powers of two)")
-        if use_ue8m0 and x.shape[1] % (4 * BLOCK):
-            raise ValueError(f"{where}: use_ue8m0 packs 4 scales per int32: the hidden size must be a multiple of "
-                             f"{4 * BLOCK}, got {x.shape[1]}")
-        if stats is not None and (stats.dtype != torch.int32 or tuple(stats.shape) != (num_experts // self.comm.size,)):
-            raise ValueError(f"{where}: cumulative_local_expert_recv_stats must be int32 "
-                             f"[{num_experts // self.comm.size}], got {stats.dtype} {list(stats.shape)}")
-
     # ------------------------------------------------------------------ combine
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -259,7 +214,7 @@ class LowLatencyExchange:
         local = num_experts // R
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        self._check_combine(x, topk_idx, topk_weights, handle, use_logfmt, out)
+        check_combine(f"low_latency_combine (rank {me})", R, x, topk_idx, topk_weights, handle, use_logfmt, out)
         half = self._take_half("combine")
         device = x.device
 
@@ -295,25 +250,3 @@ class LowLatencyExchange:
 
         hook = self._complete(half, receive, return_recv_hook, async_finish)
         return combined, EventOverlap(), hook
-
-    def _check_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                       handle: LowLatencyHandle, use_logfmt: bool, out: torch.Tensor | None) -> None:
-        where = f"low_latency_combine (rank {self.comm.rank})"
-        local, slots = handle.num_experts // self.comm.size, self.comm.size * handle.num_max_dispatch_tokens_per_rank
-        want = (local, slots, handle.hidden)
-        if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
-            raise ValueError(f"{where}: x must be bfloat16 {list(want)} (the dispatch's packed layout), got "
-                             f"{x.dtype} {list(x.shape)}")
-        if topk_idx.dim() != 2 or topk_idx.shape[0] > handle.num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"{where}: topk_idx must be the dispatch's [num_tokens, num_topk], got "
-                             f"{list(topk_idx.shape)}")
-        if tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            raise ValueError(f"{where}: topk_weights must have topk_idx's shape {list(topk_idx.shape)}, got "
-                             f"{list(topk_weights.shape)}")
-        if use_logfmt:
-            raise ValueError(f"{where}: use_logfmt (DeepEP's 10-bit log format) is not implemented; combine in "
-                             "bfloat16")
-        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (topk_idx.shape[0], handle.hidden)):
-            raise ValueError(f"{where}: out must be bfloat16 [{topk_idx.shape[0]}, {handle.hidden}], got "
-                             f"{out.dtype} {list(out.shape)}")
-

@@ -2,7 +2,8 @@
 in shared memory mapped by its peers (handles exchanged over gloo), against the pure-torch reference of
 all ranks; bad input refused before any kernel runs; a rank killed mid-dispatch makes the survivors
 fail by their kernels' timeouts, naming the wait, and leaves no shared memory behind; the `deepep`
-dispatcher's wiring over a DeepEP-shaped buffer (tests/distributed/fake_deep_ep.py)."""
+dispatcher's wiring over a DeepEP-shaped buffer (tests/distributed/fake_deep_ep.py); the low-latency
+ops of `Buffer(..., low_latency_mode=True)` between processes against the reference over gloo."""
 from __future__ import annotations
 
 import os
@@ -165,3 +166,44 @@ def test_deepep_dispatcher_drives_a_deepep_shaped_buffer(pools, kernels_cpu):
             else:
                 torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=f"rank {rank} {name}")
         assert result["num_sms"] == 4 and len(result["made"]) == 1 and result["made"][0][1] == 0  # one buffer, no RDMA
+
+
+def low_latency_rank(world: int, gpus_per_node: int, seed: int) -> bool:
+    """This rank's low-latency ops over its per-process buffer equal the reference's over gloo: FP8
+    (UE8M0) dispatch and its combine, then a hooked bf16 dispatch and a zero-copy combine."""
+    from kernels_cuda import Buffer
+    from parallel.dispatch.comm import ProcessGroupComm
+    from parallel.dispatch.low_latency import LowLatencyExchange
+    from tests.kernels.test_low_latency import (E_PER_RANK, FP8_MODES, H, T_MAX, assert_same, expert_outputs,
+                                                inputs_for)
+
+    rank, E = dist.get_rank(), E_PER_RANK * world
+    schedule = Schedule(policy="random", seed=seed * 16 + rank)
+    print(f"rank {rank}: inputs seed {seed}, schedule {schedule}")
+    buffer = Buffer(dist.group.WORLD, 1 << 20, Buffer.get_low_latency_rdma_size_hint(T_MAX, H, world, E),
+                    ranks_per_node=gpus_per_node, timeout_cycles=TIMEOUT_CYCLES, device="cpu", schedule=schedule,
+                    low_latency_mode=True)
+    reference = LowLatencyExchange(ProcessGroupComm(dist.group.WORLD))
+    for mode, hooked in (("ue8m0", False), ("bf16", True)):
+        fp8 = FP8_MODES[mode]
+        x, idx, w = inputs_for("random", world, seed + len(mode))[rank]
+        want_stats, stats = torch.zeros(E_PER_RANK, dtype=torch.int32), torch.zeros(E_PER_RANK, dtype=torch.int32)
+        want = reference.low_latency_dispatch(x, idx, T_MAX, E, want_stats, *fp8)
+        got = buffer.low_latency_dispatch(x, idx, T_MAX, E, stats, *fp8, return_recv_hook=hooked)
+        if hooked:
+            got[4]()
+        want_combined, _, _ = reference.low_latency_combine(expert_outputs(want[0], rank, fp8), idx, w, want[2])
+        assert_same([got], [stats], [(want, want_stats, want_combined)], world)
+        ys = expert_outputs(got[0], rank, fp8)
+        if hooked:
+            buffer.get_next_low_latency_combine_buffer(got[2]).copy_(ys)
+        combined, _, _ = buffer.low_latency_combine(ys, idx, w, got[2], zero_copy=hooked)
+        assert torch.equal(combined, want_combined), f"rank {rank}: {mode} combine differs from the reference"
+    buffer.destroy()
+    return True
+
+
+@pytest.mark.parametrize("world, gpus_per_node", [(2, 2), (4, 2)], ids=["intranode-2", "internode-2x2"])
+def test_low_latency_buffers_between_processes_match_the_reference(pools, kernels_cpu, world, gpus_per_node):
+    assert pools.get(world).run(low_latency_rank, world, gpus_per_node, 61, deadline_s=120) == [True] * world
+

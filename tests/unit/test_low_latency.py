@@ -159,15 +159,16 @@ def test_hook_mode_three_consecutive_ops_and_the_double_buffer_rule():
         ll = LowLatencyExchange(comms.ep)
         x, idx, w = inputs[rank]
         sync_x, sync_count, sync_handle, _, _ = ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
-        # three consecutive hooked ops: dispatch, dispatch, combine of the first, completed late
+        # three consecutive hooked ops: dispatch, dispatch, combine of the first, each hook called before the
+        # next op, as the one-way signals require
         first = ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False, return_recv_hook=True)
-        second = ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False, return_recv_hook=True)
-        with pytest.raises(RuntimeError, match="at most 2 results outstanding"):
-            ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)  # a third op while both halves are held
+        with pytest.raises(RuntimeError, match="receive is pending: call its hook first"):
+            ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
         first[4]()
-        ys = expert_outputs(first[0], first[2], rank, False)
-        third = ll.low_latency_combine(ys, idx, w, first[2], return_recv_hook=True)  # reuses the first half
+        second = ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False, return_recv_hook=True)
         second[4]()
+        ys = expert_outputs(first[0], first[2], rank, False)
+        third = ll.low_latency_combine(ys, idx, w, first[2], return_recv_hook=True)
         third[2]()
         with pytest.raises(RuntimeError, match="already called"):
             third[2]()
@@ -233,3 +234,14 @@ def test_bad_inputs_are_refused_before_anything_is_sent():
         return messages
 
     SimulatedEPGroup(R, 2).run(body)
+
+
+def test_round_scale_is_the_exact_power_of_two_ceiling():
+    # float log2 rounds 2^k * (1 + 2^-23) down to k; DeepEP's kernels read the exponent bits instead
+    from parallel.dispatch.fp8 import power_of_two_ceil
+    k = torch.arange(-30, 10, dtype=torch.float32)
+    exact = torch.exp2(k)
+    just_above = exact * (1 + 2.0 ** -23)
+    assert torch.equal(power_of_two_ceil(exact), exact)
+    assert torch.equal(power_of_two_ceil(just_above), exact * 2)
+    assert torch.equal(power_of_two_ceil(exact * 1.5), exact * 2)

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <bit>
 #include <climits>
+#include <cmath>  // the device math functions CUDA provides (fmaxf, fabsf, ...)
 #include <cstdint>
 #include <cstdio>
 #include <cstring>

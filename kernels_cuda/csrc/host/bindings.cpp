@@ -14,6 +14,7 @@
 
 #include "../ep_params.h"
 #include "internode_runtime.h"
+#include "low_latency_runtime.h"
 #include "rank_regions.h"
 #include "runtime_common.h"
 #include "tensor_args.h"
@@ -240,4 +241,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("device") = "cuda";
 #endif
     register_internode(m);
+    register_low_latency(m);
 }

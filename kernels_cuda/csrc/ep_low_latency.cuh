@@ -1,0 +1,95 @@
+// Device helpers of the low-latency kernels: where a half's parts live, the e4m3 cast (bit-exact with
+// torch's float8_e4m3fn, round to nearest even), the exact power-of-two scale, the float operations
+// the combine sums with (never contracted into FMAs: the sums must equal the reference's), and the
+// zeroing of the next half that every op starts with.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "ep_diag.cuh"
+#include "ep_low_latency.h"
+#include "ep_ptx.cuh"
+#include "ep_ring.cuh"
+
+namespace ep {
+
+constexpr int kLowLatencyThreads = kLowLatencyWarps * 32;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+__device__ __forceinline__ float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+// |value| <= 448 (the caller clamps), not NaN.
+__device__ __forceinline__ uint32_t float_to_e4m3(float value) {
+    const uint32_t bits = static_cast<uint32_t>(__float_as_int(value));
+    const uint32_t sign = (bits >> 24) & 0x80u;
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    const float a = __int_as_float(static_cast<int>(magnitude));
+    if (a < 0.015625f) {  // below 2^-6: subnormal e4m3, multiples of 2^-9 (8 * 2^-9 is 2^-6's encoding)
+        const float units = a * 512.0f;  // exact, in [0, 8)
+        uint32_t q = static_cast<uint32_t>(units);
+        const float fraction = units - static_cast<float>(q);  // exact
+        if (fraction > 0.5f || (fraction == 0.5f && (q & 1u))) ++q;
+        return sign | q;
+    }
+    int exponent = static_cast<int>(magnitude >> 23) - 127;
+    uint32_t mantissa = (magnitude & 0x7fffffu) >> 20;
+    const uint32_t rest = magnitude & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (mantissa & 1u))) ++mantissa;
+    if (mantissa == 8u) mantissa = 0u, ++exponent;
+    return sign | (static_cast<uint32_t>(exponent + 7) << 3) | mantissa;
+}
+
+// 2^ceil(log2(scale)) of a positive normal float, from its bits.
+__device__ __forceinline__ float power_of_two_ceil(float scale) {
+    const int bits = __float_as_int(scale);
+    const int exponent = ((bits >> 23) & 0xff) + ((bits & 0x7fffff) != 0 ? 1 : 0);
+    return __int_as_float(exponent << 23);
+}
+
+__device__ __forceinline__ int64_t half_offset(const LowLatencyParams& p, int half) {
+    return static_cast<int64_t>(half) * p.layout.half_bytes;
+}
+
+// Block 0 of each rank zeroes the signals of the half the next op uses (nobody writes them before
+// every rank started this op: see low_latency.py), then publishes the clean word; a rank's signals
+// to its peers wait for it, so no peer sees this op's signals before the next half is clean.
+__device__ __forceinline__ void clean_next_half(const LowLatencyParams& p, uint8_t* own, int block) {
+    if (block != 0) return;
+    int* signals = reinterpret_cast<int*>(own + half_offset(p, p.half ^ 1) + p.layout.dispatch_count);
+    for (int i = threadIdx.x; i < 2 * p.num_experts; i += blockDim.x) st_plain(signals + i, 0);
+    __syncthreads();
+    if (threadIdx.x == 0) st_release<Scope::kGpu>(reinterpret_cast<int*>(own + p.layout.clean_word), p.seq);
+}
+
+__device__ __forceinline__ void wait_for_clean(const LowLatencyParams& p, const uint8_t* own, const WaitContext& ctx) {
+    const int* word = reinterpret_cast<const int*>(own + p.layout.clean_word);
+    SpinBudget spin(ctx.timeout_cycles);
+    int seen;
+    while ((seen = ld_acquire<Scope::kGpu>(word)) != p.seq) {
+        if (spin.expired()) report_timeout(ctx.error, ctx.role, ctx.rank, ctx.channel, ctx.peer, seen, 0, p.seq);
+    }
+}
+
+}  // namespace ep
