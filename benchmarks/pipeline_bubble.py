@@ -13,6 +13,7 @@ bubble of the ranks that wait, and so does the P2P latency. The fair model of th
 with what the run measured: the mean time of each F, B and W (per-action overhead spread evenly)
 and, as `comm`, half a `batch_isend_irecv` ping-pong between ranks 0 and 1 posted as the runtime
 posts its batches. Both simulations are printed, each with the measured bubble's error against it.
+The step time (makespan) is printed measured and simulated, in units.
 Peak live activations per rank (micro-batches whose F ran and whose W or BW has not) are printed
 against the simulator's peak. DualPipe(V) get twice the micro-batches (they need >= 2 x ranks).
 """
@@ -130,7 +131,7 @@ def _run_schedule(name: str, ranks: int, microbatches: int, costs: Costs, unit_s
     return {
         "schedule": name, "ranks": ranks, "stages": num_stages, "microbatches": microbatches, "comm": comm,
         "measured": max(makespan - s[2] for s in spans) / unit_s, "simulated": timeline.bubble,
-        "simulated_fair": fair.bubble,
+        "simulated_fair": fair.bubble, "step": makespan / unit_s, "simulated_step": timeline.makespan,
         "peak": [s[3] for s in spans], "simulated_peak": list(timeline.peak_activations),
     }
 
@@ -168,7 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"bubble in units of {args.unit_ms:g} ms. sim: nominal costs, comm 0; fair: measured F/B/W and P2P "
           f"latency (comm); errors of the measured bubble against each")
     print(f"{'schedule':<17} {'ranks':>5} {'stages':>6} {'mb':>3} {'comm':>6} {'sim':>6} {'fair':>6} "
-          f"{'measured':>8} {'err sim':>7} {'err fair':>8}  peak activations per rank: measured / simulated")
+          f"{'measured':>8} {'err sim':>7} {'err fair':>8} {'step':>6} {'sim':>6}  peak activations per rank: "
+          f"measured / simulated")
     while not queue.empty():
         r = queue.get()
         errors = [abs(r["measured"] - r[key]) / r[key] if r[key] else float("nan")
@@ -176,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         peaks = " ".join(f"{m}/{s:g}" for m, s in zip(r["peak"], r["simulated_peak"]))
         print(f"{r['schedule']:<17} {r['ranks']:>5} {r['stages']:>6} {r['microbatches']:>3} {r['comm']:>6.3f} "
               f"{r['simulated']:>6.2f} {r['simulated_fair']:>6.2f} {r['measured']:>8.2f} {100 * errors[0]:>6.1f}% "
-              f"{100 * errors[1]:>7.1f}%  {peaks}")
+              f"{100 * errors[1]:>7.1f}% {r['step']:>6.2f} {r['simulated_step']:>6.2f}  {peaks}")
     return 0
 
 

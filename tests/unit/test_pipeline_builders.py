@@ -14,6 +14,7 @@ GRID = {
     "zb-h1": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
     "zb-h2": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
     "zb-auto": [(r, m, None) for r in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)],
+    "zb-interleaved": [(r, m, v) for r in (1, 2, 3, 4) for m in (1, r + 1, 2 * r, 4 * r) for v in (2, 3)],
     "zbv": [(r, m, 2) for r in (1, 2, 3, 4, 8) for m in (2 * r - 1, 2 * r, 3 * r + 1)],
     "dualpipe": [(r, m, None) for r in (2, 4, 6, 8) for m in (2 * r, 2 * r + 2, 4 * r)],
     "dualpipev": [(r, m, 2) for r in (1, 2, 3, 4, 8) for m in (2 * r, 2 * r + 1, 4 * r)],

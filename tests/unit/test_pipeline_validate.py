@@ -217,7 +217,7 @@ def test_shipped_lowering_accepted_but_its_unbatched_form_deadlocks(name, ranks,
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_lowering_is_deadlock_free_for_random_costs(name):
     rng = random.Random(sum(map(ord, name)))
-    sizes = {"dualpipe": (4, 10), "interleaved-1f1b": (3, 6)}.get(name, (3, 7))
+    sizes = {"dualpipe": (4, 10), "interleaved-1f1b": (3, 6), "zb-interleaved": (3, 6)}.get(name, (3, 7))
     for _ in range(5):
         costs = Costs(
             f=rng.uniform(0.2, 2.0), b=rng.uniform(0.2, 2.0), w=rng.uniform(0.2, 2.0),

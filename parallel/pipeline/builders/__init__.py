@@ -14,6 +14,7 @@ from ..timeline import Costs
 from .dualpipe import build_dualpipe, build_dualpipev
 from .one_f_one_b import build_1f1b, build_combined_1f1b, build_interleaved_1f1b
 from .zb_auto import build_zb_auto
+from .zb_interleaved import build_zb_interleaved
 from .zbv import build_zbv
 from .zero_bubble import build_zb_h1, build_zb_h2
 
@@ -26,6 +27,7 @@ BUILDERS: dict[str, Builder] = {
     "zb-h1": build_zb_h1,
     "zb-h2": build_zb_h2,
     "zb-auto": build_zb_auto,
+    "zb-interleaved": build_zb_interleaved,
     "zbv": build_zbv,
     "dualpipe": build_dualpipe,
     "dualpipev": build_dualpipev,
@@ -63,6 +65,7 @@ __all__ = [
     "build_zb_h1",
     "build_zb_h2",
     "build_zb_auto",
+    "build_zb_interleaved",
     "build_zbv",
     "build_dualpipe",
     "build_dualpipev",
