@@ -23,11 +23,11 @@ from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iteration, load_checkpoint, resolve_resume,
                                   save_checkpoint)
+from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
 from moe_train.config_help import config_keys_help
-from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml, zb_search
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
                             describe_draws, load_tokenizer)
-from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
@@ -166,8 +166,11 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_since_log = 0
         self._resume()
+        log = config.logging
+        wandb = None if log.wandb_project is None else {
+            "project": log.wandb_project, "mode": log.wandb_mode, "name": self.run_dir.name, "config": to_dict(config)}
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
-                                    tensorboard=config.logging.tensorboard, resume_step=self.step)
+                                    tensorboard=log.tensorboard, resume_step=self.step, wandb=wandb)
         if self.is_logger:
             path = self.run_dir / "config.yaml"
             try:
@@ -503,6 +506,9 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
     topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
+        if config.logging.wandb_project is not None and wandb_module() is None:
+            raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
+                                                         "is not installed: pip install wandb, or unset the key")])
         topology = start_distributed(config)
         if topology is not None and topology.rank == 0:
             print(f"layout: {topology.world_size} processes = pp {topology.pp} x dp {topology.dp} "

@@ -46,19 +46,19 @@ class SampleStream:
         """Samples drawn from each of ``parts`` by the first ``count`` global samples."""
         raise NotImplementedError
 
-    @property
-    def parts(self) -> list[PackedSamples]:
-        return [self]
-
-    @property
-    def weights(self) -> list[float]:
-        return [1.0]
-
-    def draws(self, count: int) -> list[int]:
-        return [count]
-
     def fingerprint(self) -> dict[str, object]:
-        return {"seed": self.seed, "seq_length": self.seq_length, "num_tokens": self.num_tokens, "stream": self.stream}
+        """What the sample order depends on, saved with the data position to warn on a changed resume."""
+        raise NotImplementedError
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """Global samples ``[start, start + count)`` as a ``(count, seq_length + 1)`` int64 tensor.
+
+        Inputs are ``rows[:, :-1]`` and labels ``rows[:, 1:]``.
+        """
+        out = np.empty((count, self.seq_length + 1), dtype=np.int64)
+        for i in range(count):
+            out[i] = self.row(start + i)
+        return torch.from_numpy(out)
 
 
 class PackedSamples(SampleStream):
