@@ -55,7 +55,9 @@ WORDS = ["def", "return", "expert", "router", "token", "loss", "layer", "pipelin
 
 
 def normalize(command):
-    return " ".join(shlex.split(command, comments=True))
+    """One spelling of a command line (comments dropped); quoting kept where a word needs it, so
+    `--set "data.path=0.7 A 0.3 B"` is still one argument when the command is split again to run."""
+    return shlex.join(shlex.split(command, comments=True))
 
 
 def readme_commands(text):
