@@ -26,7 +26,8 @@ setup(
         "tokenizers",
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.48", "matplotlib"],
+        "test": ["pytest>=7", "transformers>=4.48", "matplotlib", "wandb"],
+        "wandb": ["wandb"],
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
         "gpu": ["ninja"],

@@ -15,6 +15,47 @@ RECOMPUTE_GRANULARITIES = (None, "full")
 
 @dataclass
 class ModelArgs:
+    """The model section (Megatron's TransformerConfig names).
+
+    Attributes:
+        num_layers: decoder layers of the main model
+        hidden_size: model width
+        ffn_hidden_size: intermediate size of the dense SwiGLU MLPs
+        num_attention_heads: MLA attention heads
+        q_lora_rank: rank of the low-rank query projection (null: a direct q projection)
+        kv_lora_rank: rank of the compressed key-value latent
+        qk_head_dim: query/key head dimension without RoPE
+        qk_pos_emb_head_dim: query/key head dimension that carries RoPE (even)
+        v_head_dim: value head dimension
+        num_moe_experts: routed experts per MoE layer
+        moe_ffn_hidden_size: intermediate size of each routed expert
+        moe_shared_expert_intermediate_size: intermediate size of the shared expert (0: none)
+        moe_router_topk: experts each token is routed to
+        moe_router_num_groups: expert groups for group-limited routing (1: no group limit)
+        moe_router_group_topk: groups each token may route into
+        moe_router_topk_scaling_factor: factor on the normalised top-k routing weights
+        moe_router_score_function: sigmoid (DeepSeek-V3) or softmax
+        moe_router_enable_expert_bias: aux-loss-free load balancing with a per-expert routing bias
+        moe_router_bias_update_rate: step size of the expert-bias update
+        moe_aux_loss_coeff: weight of the sequence-level auxiliary balance loss
+        first_k_dense_replace: leading decoder layers with a dense MLP instead of MoE
+        mtp_num_layers: multi-token-prediction modules (0: none)
+        mtp_loss_scaling_factor: weight of the MTP loss
+        rotary_base: RoPE base frequency
+        rope_type: rope or yarn
+        rotary_scaling_factor: YaRN context extension factor
+        original_max_position_embeddings: YaRN: the context length before extension
+        max_position_embeddings: longest sequence the positions support
+        beta_fast: YaRN's fast-rotation boundary
+        beta_slow: YaRN's slow-rotation boundary
+        mscale: YaRN's attention scale factor
+        mscale_all_dim: YaRN's attention scale factor over all dimensions
+        norm_epsilon: RMSNorm epsilon
+        vocab_size: vocabulary size of the embedding and the output head
+        init_method_std: standard deviation of the normal weight initialisation
+        recompute_granularity: "full": recompute every decoder layer in backward (null: none)
+    """
+
     num_layers: int = 4
     hidden_size: int = 64
     ffn_hidden_size: int = 160
@@ -50,7 +91,7 @@ class ModelArgs:
     norm_epsilon: float = 1e-6
     vocab_size: int = 1024
     init_method_std: float = 0.02
-    recompute_granularity: Optional[str] = None  # "full": recompute every decoder layer in backward
+    recompute_granularity: Optional[str] = None
 
     @property
     def qk_full_head_dim(self) -> int:

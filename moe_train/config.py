@@ -12,11 +12,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
 from model.args import ModelArgs
+from moe_train.data.blend import parse_blend
 from parallel.pipeline.builders import SCHEDULES
 from parallel.pipeline.builders.zb_auto import parse_zb_costs
 from parallel.pipeline.timeline import Costs
@@ -28,6 +29,8 @@ DISPATCHERS = ("auto", "local", "alltoall", "hierarchical", "native", "deepep")
 NATIVE_ALTERNATIVES = "use 'hierarchical' for an EP group across nodes, 'alltoall' or 'hierarchical' inside one node"
 LR_SCHEDULES = ("constant", "cosine", "dsv3")
 RESUME_HELP = "'auto', 'none' or a checkpoint path"
+WANDB_MODES = ("offline", "online")
+DEFAULT_VALID_FRACTION = 0.01
 
 
 class ConfigError(ValueError):
@@ -42,44 +45,110 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
+    """Process layout and communication.
+
+    Attributes:
+        pp: pipeline-parallel stages
+        ep: expert-parallel group size (inside data parallelism)
+        gpus_per_node: processes per node for the topology (default: the local world size; smaller
+            simulates nodes on CPU)
+        dispatcher: token dispatcher: auto (local for ep 1, hierarchical when EP spans nodes, else
+            alltoall; never native), local, alltoall, hierarchical, native or deepep
+        zero1: shard the optimizer state over data-parallel ranks (ZeRO-1)
+        timeout_s: seconds a collective may wait for its peers before the run fails
+        schedule: pipeline schedule (see parallel.pipeline.builders.SCHEDULES)
+        virtual_stages: model chunks per pipeline rank (interleaved schedules)
+        pipeline_layout: Megatron layout string, e.g. "Et|(tt|)*30mL"
+        first_stage_layers: without a layout: decoder layers on the first stage
+        last_stage_layers: without a layout: decoder layers on the last stage
+        comm_sms: SMs the native dispatch/combine kernels may use (2 per channel)
+        overlap: FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
+        nproc_per_node: processes per node for the launcher (default: 1 on CPU)
+        zb_memory_limit: zb-auto: live activations per rank, in stage micro-batches (default 2*pp-1)
+        zb_costs: zb-auto: "f,b,w[,comm]" per stage and micro-batch (default 1,1,1,0)
+    """
+
     pp: int = 1
     ep: int = 1
-    gpus_per_node: Optional[int] = None  # default: the local world size; smaller simulates nodes on CPU
-    dispatcher: str = "auto"  # auto (never native): local for ep 1, hierarchical when EP spans nodes, else alltoall
+    gpus_per_node: Optional[int] = None
+    dispatcher: str = "auto"
     zero1: bool = True
     timeout_s: float = 300.0
-    schedule: str = "1f1b"  # pipeline schedule: see parallel.pipeline.builders.SCHEDULES
+    schedule: str = "1f1b"
     virtual_stages: int = 1
-    pipeline_layout: Optional[str] = None  # Megatron layout string, e.g. "Et|(tt|)*30mL"
-    first_stage_layers: Optional[int] = None  # without a layout: decoder layers on the first stage
-    last_stage_layers: Optional[int] = None  # without a layout: decoder layers on the last stage
-    comm_sms: int = 20  # SMs the native dispatch/combine kernels may use (2 per channel)
-    overlap: bool = True  # FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
-    nproc_per_node: Optional[int] = None  # processes per node for the launcher (default: 1 on CPU)
-    zb_memory_limit: Optional[float] = None  # zb-auto: live activations per rank, in stage micro-batches (default 2*pp-1)
-    zb_costs: Optional[str] = None  # zb-auto: "f,b,w[,comm]" per stage and micro-batch (default 1,1,1,0)
+    pipeline_layout: Optional[str] = None
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
+    comm_sms: int = 20
+    overlap: bool = True
+    nproc_per_node: Optional[int] = None
+    zb_memory_limit: Optional[float] = None
+    zb_costs: Optional[str] = None
 
 
 @dataclass
 class TrainConfig:
+    """The training loop.
+
+    Attributes:
+        steps: optimizer steps to train
+        seed: seed of the weights' initialisation and of the data order
+        global_batch_size: samples per optimizer step, over all data-parallel ranks
+        micro_batch_size: samples per forward/backward on one rank
+        seq_length: tokens per sample
+        log_interval: steps between console lines and metrics.jsonl records
+        eval_interval: steps between validations (0: no validation)
+        eval_iters: validation micro-batches per validation
+        precision: fp32, or bf16 autocast with fp32 master weights
+        compile: torch.compile: none, regions (attention, dense MLP, norms) or model (see
+            runtime.compile_model)
+        device: auto, cpu or cuda
+        threads: torch CPU threads (default: torch's choice)
+        peak_tflops: per accelerator, dense BF16, for MFU on CUDA
+        max_skipped_steps: consecutive steps skipped for a non-finite gradient norm before stopping
+            (exit 3)
+    """
+
     steps: int = 100
     seed: int = 1234
     global_batch_size: int = 8
     micro_batch_size: int = 4
     seq_length: int = 64
     log_interval: int = 1
-    eval_interval: int = 0  # 0: no validation
+    eval_interval: int = 0
     eval_iters: int = 2
     precision: str = "fp32"
-    compile: str = "none"  # torch.compile: none, regions (attention, dense MLP, norms) or model (see runtime.compile_model)
+    compile: str = "none"
     device: str = "auto"
-    threads: Optional[int] = None  # torch CPU threads (default: torch's choice)
-    peak_tflops: float = 989.0  # per accelerator, dense BF16, for MFU on CUDA
-    max_skipped_steps: int = 3  # consecutive steps skipped for a non-finite gradient norm before stopping (exit 3)
+    threads: Optional[int] = None
+    peak_tflops: float = 989.0
+    max_skipped_steps: int = 3
 
 
 @dataclass
 class OptimConfig:
+    """AdamW, gradient clipping and the schedules of the learning rate, router bias rate and MTP weight.
+
+    Attributes:
+        lr: peak learning rate
+        min_lr: learning rate at the end of the cosine
+        weight_decay: AdamW's decoupled weight decay
+        adam_beta1: AdamW's beta1
+        adam_beta2: AdamW's beta2
+        adam_eps: AdamW's epsilon
+        clip_grad: global gradient-norm clip (0: none)
+        lr_schedule: constant, cosine or dsv3 (warm-up, constant, cosine, tail)
+        lr_warmup_steps: linear warm-up steps
+        lr_decay_steps: cosine length; default: the steps left after warm-up (and constant)
+        lr_constant_steps: dsv3: steps held at the peak before the cosine
+        lr_tail_steps: dsv3: final steps at lr_tail
+        lr_tail: dsv3: learning rate of the final steps
+        bias_update_rate_final: router bias rate after bias_update_switch_step
+        bias_update_switch_step: step from which bias_update_rate_final applies (none: never)
+        mtp_loss_scale_final: MTP weight after mtp_loss_switch_step
+        mtp_loss_switch_step: step from which mtp_loss_scale_final applies (none: never)
+    """
+
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -89,43 +158,88 @@ class OptimConfig:
     clip_grad: float = 1.0
     lr_schedule: str = "cosine"
     lr_warmup_steps: int = 10
-    lr_decay_steps: Optional[int] = None  # cosine length; default: the steps left after warm-up (and constant)
-    lr_constant_steps: int = 0  # dsv3: steps held at the peak before the cosine
-    lr_tail_steps: int = 0  # dsv3: final steps at lr_tail
+    lr_decay_steps: Optional[int] = None
+    lr_constant_steps: int = 0
+    lr_tail_steps: int = 0
     lr_tail: float = 0.0
-    bias_update_rate_final: float = 0.0  # router bias rate after bias_update_switch_step
+    bias_update_rate_final: float = 0.0
     bias_update_switch_step: Optional[int] = None
-    mtp_loss_scale_final: float = 0.1  # MTP weight after mtp_loss_switch_step
+    mtp_loss_scale_final: float = 0.1
     mtp_loss_switch_step: Optional[int] = None
 
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = None  # indexed-dataset prefix (.bin/.idx); none: the built-in demo corpus
-    tokenizer: str = "byte"  # "byte" or a tokenizer.json path
-    valid_fraction: float = 0.01
-    cache_dir: Optional[str] = None  # demo corpus cache (default ~/.cache/moe_train)
-    demo_max_bytes: Optional[int] = None  # cap on the demo corpus size
+    """Training and validation data.
+
+    Attributes:
+        path: indexed-dataset prefix (or its .bin/.idx), or a Megatron blend "W1 P1 W2 P2 ..." (a string
+            or a YAML list; weights are normalised); none: the built-in demo corpus
+        tokenizer: "byte" or a tokenizer.json path
+        valid_path: validation data (a prefix or blend, all of its documents), instead of valid_fraction
+        valid_fraction: documents of each dataset of path held out for validation (default 0.01
+            without valid_path)
+        cache_dir: demo corpus cache (default ~/.cache/moe_train)
+        demo_max_bytes: cap on the demo corpus size
+    """
+
+    path: Union[str, list[str], None] = None
+    tokenizer: str = "byte"
+    valid_path: Union[str, list[str], None] = None
+    valid_fraction: Optional[float] = None
+    cache_dir: Optional[str] = None
+    demo_max_bytes: Optional[int] = None
+
+    @property
+    def split_fraction(self) -> float:
+        """The fraction of `path` held out: `valid_fraction`, by default 0.01 unless `valid_path` is set."""
+        if self.valid_fraction is not None:
+            return self.valid_fraction
+        return 0.0 if self.valid_path is not None else DEFAULT_VALID_FRACTION
 
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # default: <logging.dir>/checkpoints
-    interval: int = 0  # 0: only at the end of training
+    """Checkpoints and resume.
+
+    Attributes:
+        dir: checkpoint root (default: <logging.dir>/checkpoints)
+        interval: steps between checkpoints (0: only at the end of training)
+        keep: checkpoints kept; older ones are removed
+        resume: 'auto' (the latest checkpoint of dir, if any), 'none' or a checkpoint path
+        weights_only: load only model weights from resume (fine-tuning)
+    """
+
+    dir: Optional[str] = None
+    interval: int = 0
     keep: int = 2
     resume: str = "auto"
-    weights_only: bool = False  # load only model weights from `resume` (fine-tuning)
+    weights_only: bool = False
 
 
 @dataclass
 class LoggingConfig:
+    """Where logs go.
+
+    Attributes:
+        dir: the run's folder: metrics.jsonl, config.yaml, tensorboard/, checkpoints/
+        tensorboard: TensorBoard scalars in <dir>/tensorboard, when the tensorboard package is installed
+        overwrite: with checkpoint.resume=none: move an earlier run in dir aside (never deleted)
+        wandb_project: Weights & Biases project to log to (none: no W&B; needs the wandb package)
+        wandb_mode: offline (files under <dir>/wandb, `wandb sync` them later) or online
+    """
+
     dir: str = "runs/default"
-    tensorboard: bool = True  # when the tensorboard package is installed
-    overwrite: bool = False  # with checkpoint.resume=none: move an earlier run in dir aside (never deleted)
+    tensorboard: bool = True
+    overwrite: bool = False
+    wandb_project: Optional[str] = None
+    wandb_mode: str = "offline"
 
 
 @dataclass
 class Config:
+    """A run: one section per dataclass."""
+
     model: ModelArgs = field(default_factory=ModelArgs)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -160,7 +274,17 @@ def _coerce(value: Any, annotation: Any) -> Any:
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, options[0])
+        errors = []
+        for option in options:
+            try:
+                return _coerce(value, option)
+            except TypeError as err:
+                errors.append(str(err).removeprefix("expected "))
+        raise TypeError("expected " + " or ".join(errors))
+    if origin is list:
+        if isinstance(value, list):
+            return [_coerce(item, typing.get_args(annotation)[0]) for item in value]
+        raise TypeError("expected a list")
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -336,8 +460,24 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("checkpoint.keep", f"must be >= 1, got {c.keep}"))
     if c.interval < 0:
         problems.append(("checkpoint.interval", f"must be >= 0, got {c.interval}"))
-    if not 0 <= config.data.valid_fraction < 1:
+    problems.extend(_data_problems(config.data))
+    _choice(problems, "logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    return problems
+
+
+def _data_problems(data: DataConfig) -> list[tuple[str, str]]:
+    problems = []
+    for key in ("path", "valid_path"):
+        if getattr(data, key) is not None:
+            try:
+                parse_blend(getattr(data, key))
+            except ValueError as err:
+                problems.append((f"data.{key}", str(err)))
+    if data.valid_fraction is not None and not 0 <= data.valid_fraction < 1:
         problems.append(("data.valid_fraction", "must be in [0, 1)"))
+    if data.valid_fraction is not None and data.valid_path is not None:
+        problems.append(("data.valid_path", "is set together with data.valid_fraction; validation data comes "
+                                            "from one of them: unset the other"))
     return problems
 
 

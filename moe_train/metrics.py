@@ -1,4 +1,5 @@
-"""Step metrics: one console line, `metrics.jsonl`, and TensorBoard scalars when installed."""
+"""Step metrics: one console line, `metrics.jsonl`, TensorBoard scalars when installed, and optionally
+Weights & Biases."""
 from __future__ import annotations
 
 import json
@@ -63,13 +64,30 @@ def truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+TENSORBOARD_MISSING = ("note: tensorboard is not installed, so no TensorBoard scalars are written "
+                       "(pip install tensorboard, or set logging.tensorboard=false)")
+
+
+def wandb_module() -> Any | None:
+    """The `wandb` package, or None when it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        return None
+    return wandb
+
+
 class MetricsLogger:
-    """Writes only on the logging rank; other ranks get a logger that does nothing."""
+    """Writes only on the logging rank; other ranks get a logger that does nothing.
+
+    `wandb` holds the arguments of `wandb.init` (project, mode, config, ...) to log the same scalars to
+    Weights & Biases, with its files under `<run_dir>/wandb`; None: no W&B.
+    """
 
     def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool,
-                 resume_step: int = 0, stream: TextIO | None = None) -> None:
+                 resume_step: int = 0, stream: TextIO | None = None, wandb: dict[str, Any] | None = None) -> None:
         self.enabled, self.total_steps, self.stream = enabled, total_steps, stream
-        self.writer = None
+        self.writer = self.wandb_run = None
         if not enabled:
             return
         self.path = Path(run_dir) / METRICS_FILE
@@ -79,10 +97,13 @@ class MetricsLogger:
             self.file = open(self.path, "a")
         except OSError as err:
             raise LogWriteError(f"cannot write {err.filename or self.path}: {err.strerror}") from err
+        if wandb is not None:
+            self.wandb_run = wandb_module().init(dir=str(run_dir), **wandb)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
+                self.info(TENSORBOARD_MISSING)
                 return
             self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
 
@@ -99,10 +120,13 @@ class MetricsLogger:
         except OSError as err:
             raise LogWriteError(f"cannot write {self.path}: {err.strerror}") from err
         self.info(console_line(metrics, self.total_steps))
+        scalars = {f"train/{key}": value for key, value in metrics.items()
+                   if key != "step" and isinstance(value, (int, float)) and math.isfinite(value)}
         if self.writer is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, metrics["step"])
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=metrics["step"])
 
     def close(self) -> None:
         if self.enabled:
@@ -112,3 +136,5 @@ class MetricsLogger:
                 pass  # a failed write was reported when it happened
             if self.writer is not None:
                 self.writer.close()
+            if self.wandb_run is not None:
+                self.wandb_run.finish()

@@ -23,9 +23,11 @@ from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iteration, load_checkpoint, resolve_resume,
                                   save_checkpoint)
-from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_yaml, zb_search
-from moe_train.data import BatchSampler, DataError, build_datasets, build_demo_corpus, check_vocab, load_tokenizer
-from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
+from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
+from moe_train.config_help import config_keys_help
+from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
+                            describe_draws, load_tokenizer)
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
@@ -138,11 +140,7 @@ class Trainer:
         self.device = select_device(config.train)
         self.run_dir = Path(config.logging.dir)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
-        prefix = config.data.path or build_demo_corpus(config.data.cache_dir or default_cache_dir(), self.tokenizer,
-                                                      max_bytes=config.data.demo_max_bytes, show_progress=True)
-        self.train_data, self.valid_data = build_datasets(prefix, config.train.seq_length, config.train.seed,
-                                                          config.data.valid_fraction, eod_id=self.tokenizer.eod_id)
-        check_vocab(self.train_data.dataset, config.model.vocab_size)
+        self.train_data, self.valid_data = self._build_data()
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      comm_sms=config.parallel.comm_sms, device=self.device.type)
         self.pipeline: ModelPipeline | None = None
@@ -168,8 +166,11 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_since_log = 0
         self._resume()
+        log = config.logging
+        wandb = None if log.wandb_project is None else {
+            "project": log.wandb_project, "mode": log.wandb_mode, "name": self.run_dir.name, "config": to_dict(config)}
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
-                                    tensorboard=config.logging.tensorboard, resume_step=self.step)
+                                    tensorboard=log.tensorboard, resume_step=self.step, wandb=wandb)
         if self.is_logger:
             path = self.run_dir / "config.yaml"
             try:
@@ -180,6 +181,23 @@ class Trainer:
             self.logger.info(f"torch.compile: {self.compiled}")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
+
+    def _build_data(self) -> tuple[SampleStream, SampleStream | None]:
+        """The train and valid streams, their tokens checked against the vocabulary; the logging rank says how
+        many samples the run draws from each dataset."""
+        d, t = self.cfg.data, self.cfg.train
+        path = d.path or [build_demo_corpus(d.cache_dir or default_cache_dir(), self.tokenizer,
+                                            max_bytes=d.demo_max_bytes, show_progress=True)]
+        train, valid = build_datasets(path, t.seq_length, t.seed, d.split_fraction, eod_id=self.tokenizer.eod_id,
+                                      valid_path=d.valid_path)
+        for part in train.parts + (valid.parts if valid is not None else []):
+            check_vocab(part.dataset, self.cfg.model.vocab_size)
+        if self.is_logger:
+            lines = describe_draws(train, t.steps * t.global_batch_size, "train")
+            if valid is not None and t.eval_interval:
+                lines += describe_draws(valid, t.eval_iters * t.micro_batch_size, "valid")
+            print("\n".join(lines), flush=True)
+        return train, valid
 
     def _resume(self) -> None:
         ckpt = self.cfg.checkpoint
@@ -420,11 +438,29 @@ class Trainer:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="moe-train", description="Train a DeepSeek-V3-like MoE model.")
-    parser.add_argument("--config", required=True, help="YAML config (see moe_train/configs/)")
+    parser = argparse.ArgumentParser(prog="moe-train", description="Train a DeepSeek-V3-like MoE model.",
+                                     epilog=config_keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (see moe_train/configs/); required unless --print-config")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
-    return parser.parse_args(argv)
+    parser.add_argument("--print-config", nargs="?", const="", default=None, metavar="CONFIG",
+                        help="print the resolved config (CONFIG or --config, else the defaults, with the --set "
+                             "overrides) as YAML and exit")
+    args = parser.parse_args(argv)
+    if args.print_config is None and args.config is None:
+        parser.error("the following arguments are required: --config")
+    return args
+
+
+def print_config(args: argparse.Namespace) -> int:
+    """`--print-config`: the resolved YAML on stdout (exit 0), or the config's problems (exit 2)."""
+    try:
+        config = load_config(args.print_config or args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(to_yaml(config), end="")
+    return 0
 
 
 def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None:
@@ -458,6 +494,8 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     """Exit status of one training run. Stop signals (`moe_train.stop`) are noted by `stop` when given
     (its handlers installed), else by handlers installed for this call."""
     args = parse_args(argv)
+    if args.print_config is not None:
+        return print_config(args)
     if stop is not None:
         return run(args, stop)
     with StopRequest().handling_signals() as stop:
@@ -468,6 +506,9 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
     topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
+        if config.logging.wandb_project is not None and wandb_module() is None:
+            raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
+                                                         "is not installed: pip install wandb, or unset the key")])
         topology = start_distributed(config)
         if topology is not None and topology.rank == 0:
             print(f"layout: {topology.world_size} processes = pp {topology.pp} x dp {topology.dp} "

@@ -2,6 +2,7 @@
 # Launch DeepSeek-V3-style MoE pretraining.
 #
 #   bash scripts/pretrain_dsv3.sh [CONFIG] [--set section.key=value ...]
+#   bash scripts/pretrain_dsv3.sh --help      # this text; the config keys: python -m moe_train.train --help
 #   sbatch --nodes 2 scripts/pretrain_dsv3.sh moe_train/configs/dsv3_671b.yaml
 #   salloc --nodes 2 bash scripts/pretrain_dsv3.sh CONFIG [--set ...]
 #
@@ -30,6 +31,14 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python}
+
+for arg in "$@"; do
+    if [ "$arg" = --help ] || [ "$arg" = -h ]; then
+        # The comment block above, up to the #SBATCH lines (under sbatch $0 is Slurm's copy of this script).
+        sed -n '2,/^#SBATCH/{/^#SBATCH/d;s/^# \{0,1\}//;p}' "$0"
+        exit 0
+    fi
+done
 
 find_root() {
     local dir

@@ -3,9 +3,10 @@
 Typical use by the trainer::
 
     tok = load_tokenizer(cfg.data.tokenizer)                  # "byte" or a tokenizer.json
-    prefix = cfg.data.path or build_demo_corpus(cache_dir, tok)
-    train, valid = build_datasets(prefix, seq_length, seed, valid_fraction, eod_id=tok.eod_id)
-    check_vocab(train.dataset, model_vocab_size)
+    path = cfg.data.path or [build_demo_corpus(cache_dir, tok)]  # a prefix, or a blend "W1 P1 W2 P2 ..."
+    train, valid = build_datasets(path, seq_length, seed, valid_fraction, eod_id=tok.eod_id)
+    for part in train.parts:
+        check_vocab(part.dataset, model_vocab_size)
     sampler = BatchSampler(train, global_batch_size, micro_batch_size, dp_size, dp_rank)
     micro_batches = sampler.next_batch()                      # this rank's rows for the step
 
@@ -18,18 +19,22 @@ from typing import Any
 
 _EXPORTS = {
     "BatchSampler": "sampler",
+    "BlendedSamples": "blend",
     "ByteTokenizer": "tokenizers",
     "DataError": "errors",
     "HFTokenizer": "tokenizers",
     "IndexedDataset": "indexed_dataset",
     "IndexedDatasetWriter": "indexed_dataset",
     "PackedSamples": "packing",
+    "SampleStream": "packing",
     "Tokenizer": "tokenizers",
     "build_datasets": "datasets",
+    "describe_draws": "datasets",
     "build_demo_corpus": "demo_corpus",
     "check_vocab": "indexed_dataset",
     "load_tokenizer": "tokenizers",
     "microbatch_start": "sampler",
+    "parse_blend": "blend",
     "split_documents": "sampler",
     "token_dtype": "indexed_dataset",
 }

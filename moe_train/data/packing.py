@@ -32,7 +32,36 @@ def seeded_rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *keys])))
 
 
-class PackedSamples:
+class SampleStream:
+    """An endless sequence of rows of ``seq_length + 1`` tokens, drawn from ``parts`` with ``weights``."""
+
+    seq_length: int
+    parts: list[PackedSamples]
+    weights: list[float]
+
+    def row(self, index: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def draws(self, count: int) -> list[int]:
+        """Samples drawn from each of ``parts`` by the first ``count`` global samples."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> dict[str, object]:
+        """What the sample order depends on, saved with the data position to warn on a changed resume."""
+        raise NotImplementedError
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """Global samples ``[start, start + count)`` as a ``(count, seq_length + 1)`` int64 tensor.
+
+        Inputs are ``rows[:, :-1]`` and labels ``rows[:, 1:]``.
+        """
+        out = np.empty((count, self.seq_length + 1), dtype=np.int64)
+        for i in range(count):
+            out[i] = self.row(start + i)
+        return torch.from_numpy(out)
+
+
+class PackedSamples(SampleStream):
     """An endless, seeded sequence of packed rows over some documents of an indexed dataset.
 
     ``documents`` selects sequence indices of the dataset (all by default); like Megatron's GPT
@@ -121,12 +150,16 @@ class PackedSamples:
             k += 1
         return out
 
-    def rows(self, start: int, count: int) -> torch.Tensor:
-        """Global samples ``[start, start + count)`` as a ``(count, seq_length + 1)`` int64 tensor.
+    @property
+    def parts(self) -> list[PackedSamples]:
+        return [self]
 
-        Inputs are ``rows[:, :-1]`` and labels ``rows[:, 1:]``.
-        """
-        out = np.empty((count, self.seq_length + 1), dtype=np.int64)
-        for i in range(count):
-            out[i] = self.row(start + i)
-        return torch.from_numpy(out)
+    @property
+    def weights(self) -> list[float]:
+        return [1.0]
+
+    def draws(self, count: int) -> list[int]:
+        return [count]
+
+    def fingerprint(self) -> dict[str, object]:
+        return {"seed": self.seed, "seq_length": self.seq_length, "num_tokens": self.num_tokens, "stream": self.stream}

@@ -17,7 +17,7 @@ import torch
 
 from moe_train.data.errors import DataError
 from moe_train.data.indexed_dataset import IndexedDataset
-from moe_train.data.packing import PackedSamples, seeded_rng
+from moe_train.data.packing import SampleStream, seeded_rng
 
 _SPLIT_SALT = 0x5B117
 
@@ -65,7 +65,7 @@ class BatchSampler:
 
     def __init__(
         self,
-        samples: PackedSamples,
+        samples: SampleStream,
         global_batch_size: int,
         micro_batch_size: int,
         dp_size: int = 1,
@@ -103,18 +103,14 @@ class BatchSampler:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "data": self._fingerprint()}
+        return {"consumed_samples": self.consumed_samples, "data": self.samples.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("data")
-        if saved is not None and saved != self._fingerprint():
+        if saved is not None and saved != self.samples.fingerprint():
             warnings.warn(
                 f"resuming the data position on different data or settings: saved {saved}, "
-                f"now {self._fingerprint()}; the sample order will not continue the saved run",
+                f"now {self.samples.fingerprint()}; the sample order will not continue the saved run",
                 stacklevel=2,
             )
         self.consumed_samples = int(state["consumed_samples"])
-
-    def _fingerprint(self) -> dict[str, Any]:
-        s = self.samples
-        return {"seed": s.seed, "seq_length": s.seq_length, "num_tokens": s.num_tokens, "stream": s.stream}

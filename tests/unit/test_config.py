@@ -121,3 +121,23 @@ def test_cuda_without_a_gpu_is_a_config_error_naming_the_key():
         return
     with pytest.raises(ConfigError, match="train.device: cuda, but CUDA is not available"):
         select_device(config.train)
+
+
+def test_data_paths_take_a_prefix_or_a_blend_string_or_list():
+    config = load_config("moe_train/configs/tiny.yaml", ["data.path=0.3 a 0.7 b", "data.valid_path=[1, v.idx]"])
+    assert config.data.path == "0.3 a 0.7 b" and config.data.valid_path == ["1", "v.idx"]
+    assert config.data.split_fraction == 0.0  # valid_path replaces the default held-out 1 %
+    assert load_config(None, []).data.split_fraction == 0.01
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [
+    (["data.path=0.3 a 0.7"], "data.path", "neither one prefix nor a blend"),
+    (["data.path=[0.5, a, -0.5, b]"], "data.path", "finite numbers > 0"),
+    (["data.valid_path=x y"], "data.valid_path", "neither one prefix nor a blend"),
+    (["data.valid_path=v", "data.valid_fraction=0.1"], "data.valid_path", "together with data.valid_fraction"),
+    (["data.path={a: 1}"], "data.path", "expected a string or a list"),
+    (["logging.wandb_mode=cloud"], "logging.wandb_mode", "must be one of offline, online"),
+])
+def test_bad_data_paths_and_wandb_mode_name_the_key(overrides, key, fragment):
+    (got_key, message), = problems_of(overrides)
+    assert got_key == key and fragment in message, message

@@ -1,0 +1,80 @@
+"""Optional log backends: Weights & Biases in offline mode, and what happens when a package is missing."""
+import glob
+import io
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_train.metrics import TENSORBOARD_MISSING, MetricsLogger
+from moe_train.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "moe_train/configs/tiny.yaml")
+
+
+def run_args(run, *extra):
+    sets = [f"logging.dir={run}", "train.threads=1", "logging.tensorboard=false", "data.demo_max_bytes=200000",
+            f"data.cache_dir={run.parent / 'cache'}", *extra]
+    return ["--config", TINY, *[a for kv in sets for a in ("--set", kv)]]
+
+
+def offline_history(run_dir):
+    """The `history` records of the one offline run under `run_dir/wandb`, read from its transaction log
+    (LevelDB's log format: 32 KiB blocks of chunks with a 7-byte header, after W&B's 7-byte file header)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data, block = Path(path).read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, record, history = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        record, pos = record + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            parsed = wandb_internal_pb2.Record()
+            parsed.ParseFromString(record)
+            if parsed.WhichOneof("record_type") == "history":
+                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                for item in parsed.history.item})
+            record = b""
+    return history
+
+
+def test_wandb_offline_logs_the_metrics_scalars(tmp_path):
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    assert main(run_args(run, "train.steps=3", "train.log_interval=1", "logging.wandb_project=moe-test",
+                         "logging.wandb_mode=offline")) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    history = offline_history(run)
+    assert [h["_step"] for h in history] == [r["step"] for r in records] == [1, 2, 3]
+    for logged, record in zip(history, records):
+        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "consumed_samples"):
+            assert logged[f"train/{key}"] == record[key], key
+
+
+def test_wandb_project_without_wandb_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    run = tmp_path / "run"
+    assert main(run_args(run, "logging.wandb_project=p")) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: logging.wandb_project: is 'p', but the wandb package is not installed: pip install wandb, "
+                   "or unset the key\n")
+    assert not run.exists()
+
+
+def test_missing_tensorboard_is_said_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    out = io.StringIO()
+    MetricsLogger(tmp_path, 10, enabled=True, tensorboard=True, stream=out).close()
+    assert out.getvalue() == TENSORBOARD_MISSING + "\n"
+    assert TENSORBOARD_MISSING.startswith("note: tensorboard is not installed") and "\n" not in TENSORBOARD_MISSING
+    out = io.StringIO()
+    MetricsLogger(tmp_path, 10, enabled=True, tensorboard=False, stream=out).close()
+    assert out.getvalue() == ""
