@@ -5,7 +5,8 @@ Tokens move by point-to-point messages into fixed slots, with no rings and no fo
 writes its t-th token's copy for expert e into rank r's receive buffer at `[local expert][s][slot]`,
 slot < `num_max_dispatch_tokens_per_rank` (T_max). The receiver packs them per local expert:
 
-- `packed_recv_x [E_local, R * T_max, H]`: bfloat16, or with `use_fp8` e4m3 rows plus
+- `packed_recv_x [E_local, R * T_max, H]`: bfloat16 (or float32, an extension of this reference for
+  exact fp32 decoding: DeepEP takes bfloat16 only), or with `use_fp8` e4m3 rows plus
   `packed_recv_x_scales`, float32 `[E_local, R * T_max, H / 128]` (per 128 channels, amax / 448 with
   DeepEP's 1e-4 floor; `round_scale` rounds each up to a power of two), or with `use_ue8m0` the
   exponent bytes of those power-of-two scales packed 4 per int32 `[E_local, R * T_max, H / 512]`.
@@ -181,7 +182,7 @@ class LowLatencyExchange:
         wait_counts = _exchange(self.comm, counts)
 
         packed_x = torch.empty(local, R * T_max, hidden, device=device,
-                               dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+                               dtype=torch.float8_e4m3fn if use_fp8 else x.dtype)
         scale_cols = hidden // BLOCK // (4 if use_ue8m0 else 1)
         packed_scales = None if not use_fp8 else _column_major(torch.zeros(
             local, R * T_max, scale_cols, dtype=torch.int32 if use_ue8m0 else torch.float32, device=device))
@@ -201,7 +202,7 @@ class LowLatencyExchange:
                         row_scales = rows[:, hidden:].contiguous().view(torch.float32)
                         packed_scales[e, begin:begin + n] = pack_ue8m0(row_scales) if use_ue8m0 else row_scales
                     else:
-                        packed_x[e, begin:begin + n] = rows.contiguous().view(torch.bfloat16)
+                        packed_x[e, begin:begin + n] = rows.contiguous().view(packed_x.dtype)
                     src_info[e, begin:begin + n] = received_src[src, e, :n]
                     layout_range[e, src] = (begin << 32) | n
                     begin += n
@@ -217,8 +218,9 @@ class LowLatencyExchange:
     def _check_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, T_max: int, num_experts: int, use_fp8: bool,
                         round_scale: bool, use_ue8m0: bool, stats: torch.Tensor | None) -> None:
         where = f"low_latency_dispatch (rank {self.comm.rank})"
-        if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"{where}: x must be bfloat16 [num_tokens, hidden], got {x.dtype} {list(x.shape)}")
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or (use_fp8 and x.dtype != torch.bfloat16):
+            raise ValueError(f"{where}: x must be bfloat16 [num_tokens, hidden] (or float32 without use_fp8), got "
+                             f"{x.dtype} {list(x.shape)}")
         if x.shape[0] > T_max:
             raise ValueError(f"{where}: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={T_max}")
         if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
@@ -251,8 +253,8 @@ class LowLatencyExchange:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None) -> tuple:
         """(combined_x, event, hook): combined_x[t] = sum_k topk_weights[t, k] * (the expert output of
-        token t's k-th expert), summed in fp32 in k order, bfloat16. `x` [E_local, R * T_max, H] bfloat16
-        holds the expert outputs in the dispatch's packed layout (with `zero_copy`, the buffer of
+        token t's k-th expert), summed in fp32 in k order, in x's dtype. `x` [E_local, R * T_max, H] bfloat16
+        (or float32, this reference's extension) holds the expert outputs in the dispatch's packed layout (with `zero_copy`, the buffer of
         `get_next_low_latency_combine_buffer` holds them instead)."""
         R, me = self.comm.size, self.comm.rank
         src_info, layout_range, T_max, hidden, num_experts = handle
@@ -265,7 +267,7 @@ class LowLatencyExchange:
 
         # Send: per (local expert, source rank), the rows [begin, begin + count) back to their source,
         # into its [global expert][source token] slots, with a flag per expert.
-        send = torch.zeros(R, local, T_max, hidden, dtype=torch.bfloat16, device=device)
+        send = torch.zeros(R, local, T_max, hidden, dtype=x.dtype, device=device)
         flags = torch.zeros(R, local, T_max, dtype=torch.int32, device=device)
         for e in range(local):
             for src in range(R):
@@ -276,7 +278,7 @@ class LowLatencyExchange:
         wait_rows = _exchange(self.comm, send)
         wait_flags = _exchange(self.comm, flags)
         tokens = topk_idx.shape[0]
-        combined = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        combined = out if out is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=device)
 
         def receive() -> None:
             rows = wait_rows().view(num_experts, T_max, hidden)  # [global expert, source token slot, H]
@@ -291,7 +293,7 @@ class LowLatencyExchange:
             for k in range(topk_idx.shape[1]):
                 weight = torch.where(valid[:, k], topk_weights[:, k].float(), 0.0).unsqueeze(1)
                 acc += weight * rows[expert[:, k], slot[:, k]].float()
-            combined.copy_(acc.to(torch.bfloat16))
+            combined.copy_(acc.to(x.dtype))
 
         hook = self._complete(half, receive, return_recv_hook, async_finish)
         return combined, EventOverlap(), hook
@@ -301,9 +303,9 @@ class LowLatencyExchange:
         where = f"low_latency_combine (rank {self.comm.rank})"
         local, slots = handle.num_experts // self.comm.size, self.comm.size * handle.num_max_dispatch_tokens_per_rank
         want = (local, slots, handle.hidden)
-        if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
-            raise ValueError(f"{where}: x must be bfloat16 {list(want)} (the dispatch's packed layout), got "
-                             f"{x.dtype} {list(x.shape)}")
+        if x.dtype not in (torch.bfloat16, torch.float32) or tuple(x.shape) != want:
+            raise ValueError(f"{where}: x must be bfloat16 (or float32) {list(want)} (the dispatch's packed layout), "
+                             f"got {x.dtype} {list(x.shape)}")
         if topk_idx.dim() != 2 or topk_idx.shape[0] > handle.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"{where}: topk_idx must be the dispatch's [num_tokens, num_topk], got "
                              f"{list(topk_idx.shape)}")
@@ -313,7 +315,7 @@ class LowLatencyExchange:
         if use_logfmt:
             raise ValueError(f"{where}: use_logfmt (DeepEP's 10-bit log format) is not implemented; combine in "
                              "bfloat16")
-        if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (topk_idx.shape[0], handle.hidden)):
-            raise ValueError(f"{where}: out must be bfloat16 [{topk_idx.shape[0]}, {handle.hidden}], got "
+        if out is not None and (out.dtype != x.dtype or tuple(out.shape) != (topk_idx.shape[0], handle.hidden)):
+            raise ValueError(f"{where}: out must be {x.dtype} [{topk_idx.shape[0]}, {handle.hidden}], got "
                              f"{out.dtype} {list(out.shape)}")
 
