@@ -198,8 +198,9 @@ def one_line(error: BaseException) -> str:
     return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
-def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
+def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     args = parse_args(argv)
+    out = out or sys.stdout
     options = Options(args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
     is_first = int(os.environ.get("RANK", "0")) == 0
     topology = None
