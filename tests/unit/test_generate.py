@@ -42,11 +42,11 @@ def test_cached_absorbed_decode_equals_full_recompute(variant):
     args = ModelArgs(init_method_std=0.1, mtp_num_layers=0, **variant)
     model = DeepSeekV3(args).eval()
     prefill = int(torch.randint(1, 6, ()))
-    ids = torch.randint(0, args.vocab_size, (2, prefill + 6))
+    ids = torch.randint(0, args.vocab_size, (2, prefill + 7))
     cache = KVCache(args, 2, ids.shape[1])
-    with torch.no_grad():
-        steps = [model(ids[:, :prefill], cache=cache).logits]
-        steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(prefill, ids.shape[1])]
+    with torch.no_grad():  # a prefill, a chunk of 3 after it (the causal mask inside the absorbed form), then singles
+        steps = [model(ids[:, :prefill], cache=cache).logits, model(ids[:, prefill:prefill + 3], cache=cache).logits]
+        steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(prefill + 3, ids.shape[1])]
     torch.testing.assert_close(torch.cat(steps, dim=1), full_recompute_logits(model, ids), rtol=1e-5, atol=2e-5)
 
 
