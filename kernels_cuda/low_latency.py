@@ -39,10 +39,12 @@ class LowLatencyHandle(NamedTuple):
 
 def check_dispatch(where: str, num_ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, max_tokens: int,
                    num_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                   stats: torch.Tensor | None) -> None:
-    """Refuses, naming `where`, what low_latency_dispatch cannot take."""
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"{where}: x must be bfloat16 [num_tokens, hidden], got {x.dtype} {list(x.shape)}")
+                   stats: torch.Tensor | None, row_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    """Refuses, naming `where`, what low_latency_dispatch cannot take (rows of `row_dtypes` without FP8:
+    the kernels take bfloat16 as DeepEP's, the reference float32 too)."""
+    if x.dim() != 2 or x.dtype not in row_dtypes or (use_fp8 and x.dtype != torch.bfloat16):
+        also = " (or float32 without use_fp8)" if torch.float32 in row_dtypes else ""
+        raise ValueError(f"{where}: x must be bfloat16 [num_tokens, hidden]{also}, got {x.dtype} {list(x.shape)}")
     if x.shape[0] > max_tokens:
         raise ValueError(f"{where}: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={max_tokens}")
     if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
@@ -70,12 +72,14 @@ def check_dispatch(where: str, num_ranks: int, x: torch.Tensor, topk_idx: torch.
 
 
 def check_combine(where: str, num_ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                  handle: LowLatencyHandle, use_logfmt: bool, out: torch.Tensor | None) -> None:
-    """Refuses, naming `where`, what low_latency_combine cannot take."""
+                  handle: LowLatencyHandle, use_logfmt: bool, out: torch.Tensor | None,
+                  row_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    """Refuses, naming `where`, what low_latency_combine cannot take (x of `row_dtypes`, out of x's)."""
     local, slots = handle.num_experts // num_ranks, num_ranks * handle.num_max_dispatch_tokens_per_rank
     want = (local, slots, handle.hidden)
-    if x.dtype != torch.bfloat16 or tuple(x.shape) != want:
-        raise ValueError(f"{where}: x must be bfloat16 {list(want)} (the dispatch's packed layout), got "
+    if x.dtype not in row_dtypes or tuple(x.shape) != want:
+        also = " (or float32)" if torch.float32 in row_dtypes else ""
+        raise ValueError(f"{where}: x must be bfloat16{also} {list(want)} (the dispatch's packed layout), got "
                          f"{x.dtype} {list(x.shape)}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] > handle.num_max_dispatch_tokens_per_rank:
         raise ValueError(f"{where}: topk_idx must be the dispatch's [num_tokens, num_topk], got {list(topk_idx.shape)}")
@@ -84,8 +88,8 @@ def check_combine(where: str, num_ranks: int, x: torch.Tensor, topk_idx: torch.T
                          f"{list(topk_weights.shape)}")
     if use_logfmt:
         raise ValueError(f"{where}: use_logfmt (DeepEP's 10-bit log format) is not implemented; combine in bfloat16")
-    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (topk_idx.shape[0], handle.hidden)):
-        raise ValueError(f"{where}: out must be bfloat16 [{topk_idx.shape[0]}, {handle.hidden}], got "
+    if out is not None and (out.dtype != x.dtype or tuple(out.shape) != (topk_idx.shape[0], handle.hidden)):
+        raise ValueError(f"{where}: out must be {x.dtype} [{topk_idx.shape[0]}, {handle.hidden}], got "
                          f"{out.dtype} {list(out.shape)}")
 
 

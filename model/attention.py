@@ -1,4 +1,12 @@
-"""Multi-head Latent Attention (MLA), training ("naive") form with a causal mask."""
+"""Multi-head Latent Attention (MLA): the training ("naive") form with a causal mask, and with a
+`LayerKVCache` the decoding form.
+
+With a cache, the normalized latent and the rotated RoPE key of the new tokens are appended. The
+first call on an empty cache (prefill) then runs the naive form over its tokens; later calls
+(decode) run DeepSeek's absorbed form over the cache: W_UK (the k_nope rows of kv_b_proj) is folded
+into the query and W_UV (its v rows) into the output, so attention reads the cached latent directly
+and never expands per-head keys or values.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
+from model.kv_cache import LayerKVCache
 from model.layers import Linear, RMSNorm
 from model.rope import apply_rope, softmax_scale
 
@@ -32,7 +41,8 @@ class MLA(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, d, std)
         self.softmax_scale = softmax_scale(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerKVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -40,18 +50,39 @@ class MLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
 
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(compressed))
+        latent = self.kv_a_layernorm(compressed)
+        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, d_rope]: one head shared by all
+        if cache is not None:
+            start = cache.length
+            cached_latent, cached_k_pe = cache.append(latent, k_pe.squeeze(1))
+            if start > 0:
+                out = self._absorbed_attention(q_nope, q_pe, cached_latent, cached_k_pe, start)
+                return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+
+        kv = self.kv_b_proj(latent)
         kv = kv.view(batch, seq, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-
-        q_pe = apply_rope(q_pe, cos, sin)
-        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin).expand(-1, self.num_heads, -1, -1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(-1, self.num_heads, -1, -1)), dim=-1)
         out = causal_attention(q, k, v, self.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+
+    def _absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                            k_pe: torch.Tensor, start: int) -> torch.Tensor:
+        """q_nope [B, H, T, d_nope] and rotated q_pe [B, H, T, d_rope] of tokens at positions start..start+T-1
+        against the cached latent [B, S, r] and k_pe [B, S, d_rope] (S = start + T) -> [B, H, T, d_v]."""
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+        scores = (torch.einsum("bhtc,bsc->bhts", q_latent, latent)
+                  + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe)) * self.softmax_scale
+        queries = torch.arange(start, start + q_nope.shape[2], device=latent.device)
+        visible = torch.arange(latent.shape[1], device=latent.device) <= queries.unsqueeze(1)  # [T, S] causal
+        probs = scores.float().masked_fill(~visible, float("-inf")).softmax(dim=-1).to(latent.dtype)
+        return torch.einsum("bhtc,hdc->bhtd", torch.einsum("bhts,bsc->bhtc", probs, latent), w_uv)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

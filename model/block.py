@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
 from model.attention import MLA
-from model.dispatcher import Dispatcher
+from model.dispatcher import Dispatcher, PackedExchange
+from model.kv_cache import LayerKVCache
 from model.layers import RMSNorm, SwiGLU
 from model.moe import MoE
 
@@ -30,11 +31,16 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLU(args.hidden_size, args.ffn_hidden_size, args.init_method_std)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache | None = None,
+                exchange: PackedExchange | None = None) -> torch.Tensor:
+        """`cache`: decoding (see model.attention); `exchange`: the MoE block moves its tokens with it
+        (DeepEP's low-latency layout, see model.moe) instead of its dispatcher."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, h, cos, sin, use_reentrant=False)
-        return self._forward(h, cos, sin)
+            return checkpoint(self._forward, h, cos, sin, cache, exchange, use_reentrant=False)
+        return self._forward(h, cos, sin, cache, exchange)
 
-    def _forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def _forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache | None,
+                 exchange: PackedExchange | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x, exchange) if isinstance(self.mlp, MoE) else self.mlp(x))

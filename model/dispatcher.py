@@ -8,11 +8,16 @@ requires, so `combine` is an unweighted sum over the ranks a token went to.
 `num_recv_tokens_per_expert_list`: a communicating backend learns them in the count exchange that
 sizes its receive buffers, so reading them costs no further host sync. The local dispatcher moves
 nothing and returns None: every slot of every token is local.
+
+`PackedExchange` is the other contract, DeepEP's low-latency (decoding) shape: the tokens land in a
+packed per-local-expert layout `[E_local, slots, H]` of which only the first `count[e]` rows of
+expert e are valid, the experts run on that layout, and the exchange's combine applies the router
+weights. `parallel.dispatch.low_latency_experts` provides it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -48,6 +53,17 @@ class Dispatcher(Protocol):
                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None, Any]: ...
 
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor: ...
+
+
+PackedExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (packed x [E, N, H], count [E]) -> [E, N, H]
+
+
+class PackedExchange(Protocol):
+    def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    experts: PackedExperts) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert_{topk_idx[t, k]}(x[t]) for x [T, H], the experts applied by
+        `experts` on the ranks that own them."""
+        ...
 
 
 class LocalDispatcher:

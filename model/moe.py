@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
-from model.dispatcher import Dispatcher, LocalDispatcher, count_per_expert
+from model.dispatcher import Dispatcher, LocalDispatcher, PackedExchange, count_per_expert
 from model.layers import GroupedLinear, SwiGLU
 from model.router import Router, sequence_balance_loss
 
@@ -72,6 +72,16 @@ class RoutedExperts(nn.Module):
         out = self.down_proj(hidden, offsets)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
 
+    def forward_packed(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The masked grouped GEMM of DeepEP's low-latency layout: x [E_local, N, d] of which only the
+        first count[e] rows of expert e hold tokens -> expert outputs [E_local, N, d], unweighted (the
+        low-latency combine applies the router weights); only those rows are computed, the rest are 0."""
+        valid = torch.arange(x.shape[1], device=x.device) < count.long().unsqueeze(1)  # [E_local, N]
+        offsets = torch.cumsum(count, 0).to(torch.int32)
+        gate, up = self.gate_up_proj(x[valid], offsets).split(self.hidden, dim=-1)
+        out = self.down_proj(F.silu(gate) * up, offsets)
+        return out.new_zeros(*valid.shape, out.shape[-1]).index_put_((valid,), out)
+
 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, dispatcher: Dispatcher | None = None) -> None:
@@ -89,15 +99,19 @@ class MoE(nn.Module):
                                          args.init_method_std)
         self.last_aux_loss = torch.zeros(())  # value of the latest forward's balance loss, for logs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exchange: PackedExchange | None = None) -> torch.Tensor:
+        """`exchange` (decoding): move the tokens with it in DeepEP's low-latency layout instead of the dispatcher."""
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         routing = self.gate(flat)
-        layout = self.dispatcher.layout(routing.topk_idx, self.num_experts)
-        recv_x, recv_idx, recv_weights, per_expert, handle = self.dispatcher.dispatch(
-            flat, routing.topk_idx, routing.topk_weights, layout)
-        num_slots = recv_idx.numel() if per_expert is None else sum(per_expert)
-        out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights, num_slots), handle)
+        if exchange is not None:
+            out = exchange.run_experts(flat, routing.topk_idx, routing.topk_weights, self.experts.forward_packed)
+        else:
+            layout = self.dispatcher.layout(routing.topk_idx, self.num_experts)
+            recv_x, recv_idx, recv_weights, per_expert, handle = self.dispatcher.dispatch(
+                flat, routing.topk_idx, routing.topk_weights, layout)
+            num_slots = recv_idx.numel() if per_expert is None else sum(per_expert)
+            out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights, num_slots), handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         out = out.view(batch, seq, dim)

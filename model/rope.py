@@ -48,15 +48,16 @@ def softmax_scale(args: ModelArgs) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """Produces fp32 (cos, sin) tables [T, dim/2] for positions 0..T-1."""
+    """Produces fp32 (cos, sin) tables [T, dim/2] for positions start..start+T-1."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         inv_freq, self.attention_factor = rope_frequencies(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=device or self.inv_freq.device, dtype=torch.float32)
+    def forward(self, seq_len: int, device: torch.device | None = None,
+                start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + seq_len, device=device or self.inv_freq.device, dtype=torch.float32)
         angles = torch.outer(positions, self.inv_freq.to(positions.device))
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.block import DecoderLayer
-from model.dispatcher import Dispatcher
+from model.dispatcher import Dispatcher, PackedExchange
+from model.kv_cache import KVCache
 from model.layers import Linear, RMSNorm
 from model.moe import MoE
 from model.mtp import IGNORE_INDEX, MTPLayer, shift_left
@@ -54,14 +55,20 @@ class DeepSeekV3(nn.Module):
         return [m.gate for m in self.moe_blocks()]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                mtp_loss_scale: float | None = None) -> ModelOutput:
-        cos, sin = self.rotary(input_ids.shape[1], input_ids.device)
+                mtp_loss_scale: float | None = None, cache: KVCache | None = None,
+                exchange: PackedExchange | None = None) -> ModelOutput:
+        """With `cache` (generation) input_ids are the tokens after the cached ones and MTP is not run;
+        `exchange` moves the MoE tokens in the low-latency layout (decode steps)."""
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rotary(input_ids.shape[1], input_ids.device, start=start)
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, None if cache is None else cache.layers[i], exchange)
         logits = self.lm_head(self.norm(hidden))
         if labels is None:
             return ModelOutput(logits=logits)
+        if cache is not None:
+            raise ValueError("labels with a KV cache: the cache is for generation, losses need the whole sequence")
 
         lm_loss = token_cross_entropy(logits, labels)
         mtp_loss = self._mtp_loss(hidden, input_ids, labels, cos, sin)

@@ -107,14 +107,20 @@ def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
     if resume == "auto":
         step = latest_iteration(root)
         return None if step is None else iteration_dir(root, step)
-    path = Path(resume)
+    return checkpoint_folder(resume, "checkpoint.resume")
+
+
+def checkpoint_folder(path: str | os.PathLike, what: str) -> Path:
+    """The iteration folder `path` names: itself, or the latest one of a checkpoint root; `what` (the
+    option it came from) starts the CheckpointError otherwise."""
+    path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.resume: {path} does not exist")
+        raise CheckpointError(f"{what}: {path} does not exist")
     if (path / METADATA_FILE).is_file():
         return path
     if (path / LATEST_FILE).is_file():
         return iteration_dir(path, latest_iteration(path))
-    raise CheckpointError(f"checkpoint.resume: {path} is neither a checkpoint folder (no {METADATA_FILE}) "
+    raise CheckpointError(f"{what}: {path} is neither a checkpoint folder (no {METADATA_FILE}) "
                           f"nor a checkpoint root (no {LATEST_FILE})")
 
 

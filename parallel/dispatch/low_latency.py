@@ -5,7 +5,8 @@ Tokens move by point-to-point messages into fixed slots, with no rings and no fo
 writes its t-th token's copy for expert e into rank r's receive buffer at `[local expert][s][slot]`,
 slot < `num_max_dispatch_tokens_per_rank` (T_max). The receiver packs them per local expert:
 
-- `packed_recv_x [E_local, R * T_max, H]`: bfloat16, or with `use_fp8` e4m3 rows plus
+- `packed_recv_x [E_local, R * T_max, H]`: bfloat16 (or float32, an extension of this reference for
+  exact fp32 decoding: DeepEP takes bfloat16 only), or with `use_fp8` e4m3 rows plus
   `packed_recv_x_scales`, float32 `[E_local, R * T_max, H / 128]` (per 128 channels, amax / 448 with
   DeepEP's 1e-4 floor; `round_scale` rounds each up to a power of two), or with `use_ue8m0` the
   exponent bytes of those power-of-two scales packed 4 per int32 `[E_local, R * T_max, H / 512]`.
@@ -51,6 +52,9 @@ from kernels_cuda.low_latency import (PENDING_HOOK, LowLatencyHandle, check_comb
 from kernels_cuda.streams import EventOverlap
 from parallel.dispatch.comm import Comm
 from parallel.dispatch.fp8 import BLOCK, pack_ue8m0, quantize_e4m3
+
+ROW_DTYPES = (torch.bfloat16, torch.float32)  # float32 rows: this reference's extension for exact fp32 decoding
+
 
 @dataclass
 class _Half:
@@ -135,7 +139,7 @@ class LowLatencyExchange:
         (packed_recv_x, packed_recv_x_scales)."""
         R, T_max = self.comm.size, num_max_dispatch_tokens_per_rank
         check_dispatch(f"low_latency_dispatch (rank {self.comm.rank})", R, x, topk_idx, T_max, num_experts, use_fp8,
-                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats)
+                       round_scale, use_ue8m0, cumulative_local_expert_recv_stats, ROW_DTYPES)
         half = self._take_half("dispatch")
         tokens, hidden = x.shape
         local = num_experts // R
@@ -166,7 +170,7 @@ class LowLatencyExchange:
         wait_counts = _exchange(self.comm, counts)
 
         packed_x = torch.empty(local, R * T_max, hidden, device=device,
-                               dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+                               dtype=torch.float8_e4m3fn if use_fp8 else x.dtype)
         scale_cols = hidden // BLOCK // (4 if use_ue8m0 else 1)
         packed_scales = None if not use_fp8 else column_major(
             local, scale_cols, R * T_max, torch.int32 if use_ue8m0 else torch.float32, device)
@@ -186,7 +190,7 @@ class LowLatencyExchange:
                         row_scales = rows[:, hidden:].contiguous().view(torch.float32)
                         packed_scales[e, begin:begin + n] = pack_ue8m0(row_scales) if use_ue8m0 else row_scales
                     else:
-                        packed_x[e, begin:begin + n] = rows.contiguous().view(torch.bfloat16)
+                        packed_x[e, begin:begin + n] = rows.contiguous().view(packed_x.dtype)
                     src_info[e, begin:begin + n] = received_src[src, e, :n]
                     layout_range[e, src] = (begin << 32) | n
                     begin += n
@@ -206,21 +210,22 @@ class LowLatencyExchange:
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None) -> tuple:
         """(combined_x, event, hook): combined_x[t] = sum_k topk_weights[t, k] * (the expert output of
-        token t's k-th expert), summed in fp32 in k order, bfloat16. `x` [E_local, R * T_max, H] bfloat16
-        holds the expert outputs in the dispatch's packed layout (with `zero_copy`, the buffer of
-        `get_next_low_latency_combine_buffer` holds them instead)."""
+        token t's k-th expert), summed in fp32 in k order, in x's dtype. `x` [E_local, R * T_max, H]
+        bfloat16 (or float32, this reference's extension) holds the expert outputs in the dispatch's packed
+        layout (with `zero_copy`, the buffer of `get_next_low_latency_combine_buffer` holds them instead)."""
         R, me = self.comm.size, self.comm.rank
         src_info, layout_range, T_max, hidden, num_experts = handle
         local = num_experts // R
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        check_combine(f"low_latency_combine (rank {me})", R, x, topk_idx, topk_weights, handle, use_logfmt, out)
+        check_combine(f"low_latency_combine (rank {me})", R, x, topk_idx, topk_weights, handle, use_logfmt, out,
+                      ROW_DTYPES)
         half = self._take_half("combine")
         device = x.device
 
         # Send: per (local expert, source rank), the rows [begin, begin + count) back to their source,
         # into its [global expert][source token] slots, with a flag per expert.
-        send = torch.zeros(R, local, T_max, hidden, dtype=torch.bfloat16, device=device)
+        send = torch.zeros(R, local, T_max, hidden, dtype=x.dtype, device=device)
         flags = torch.zeros(R, local, T_max, dtype=torch.int32, device=device)
         for e in range(local):
             for src in range(R):
@@ -231,7 +236,7 @@ class LowLatencyExchange:
         wait_rows = _exchange(self.comm, send)
         wait_flags = _exchange(self.comm, flags)
         tokens = topk_idx.shape[0]
-        combined = out if out is not None else torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        combined = out if out is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=device)
 
         def receive() -> None:
             rows = wait_rows().view(num_experts, T_max, hidden)  # [global expert, source token slot, H]
@@ -246,7 +251,7 @@ class LowLatencyExchange:
             for k in range(topk_idx.shape[1]):
                 weight = torch.where(valid[:, k], topk_weights[:, k].float(), 0.0).unsqueeze(1)
                 acc += weight * rows[expert[:, k], slot[:, k]].float()
-            combined.copy_(acc.to(torch.bfloat16))
+            combined.copy_(acc.to(x.dtype))
 
         hook = self._complete(half, receive, return_recv_hook, async_finish)
         return combined, EventOverlap(), hook

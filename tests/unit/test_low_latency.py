@@ -245,3 +245,35 @@ def test_round_scale_is_the_exact_power_of_two_ceiling():
     assert torch.equal(power_of_two_ceil(exact), exact)
     assert torch.equal(power_of_two_ceil(just_above), exact * 2)
     assert torch.equal(power_of_two_ceil(exact * 1.5), exact * 2)
+
+
+def test_float32_rows_travel_bit_exact_and_combine_in_float32():
+    """The reference's extension for exact fp32 decoding (DeepEP takes bfloat16 only)."""
+    seed = 29
+    print(f"seed {seed}")
+    inputs = [(x.float() * 1.001, idx, w) for x, idx, w in (routing(seed, r, 6) for r in range(R))]
+
+    def body(rank: int, comms) -> None:
+        ll = LowLatencyExchange(comms.ep)
+        x, idx, w = inputs[rank]
+        with pytest.raises(ValueError, match="float32 without use_fp8"):
+            ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=True)
+        recv_x, count, handle, _, _ = ll.low_latency_dispatch(x, idx, T_MAX, E, use_fp8=False)
+        assert recv_x.dtype == torch.float32
+        for e in range(E // R):
+            for src in range(R):
+                begin, n = int(handle.layout_range[e, src]) >> 32, int(handle.layout_range[e, src]) & 0xFFFFFFFF
+                tokens = handle.src_info[e, begin:begin + n].long()
+                assert torch.equal(recv_x[e, begin:begin + n], inputs[src][0][tokens])
+        local = E // R
+        scale = (torch.arange(rank * local, (rank + 1) * local) + 1).float().view(-1, 1, 1) / 8  # expert e: x (e+1)/8
+        combined, _, _ = ll.low_latency_combine(recv_x * scale, idx, w, handle)
+        want = torch.zeros(x.shape[0], H)
+        for t in range(x.shape[0]):
+            for k in range(K):
+                if idx[t, k] >= 0:
+                    want[t] += w[t, k] * x[t] * (int(idx[t, k]) + 1) / 8
+        assert combined.dtype == torch.float32
+        torch.testing.assert_close(combined, want, rtol=1e-6, atol=1e-6)
+
+    SimulatedEPGroup(R, 2, timeout_s=60).run(body)

@@ -1,5 +1,5 @@
 """The README runs: every command of a ```bash block of README.md that trains, prepares data, plans
-or converts is executed (steps reduced with --set) and must exit 0.
+converts or generates is executed (steps reduced with --set) and must exit 0.
 
 Each command line of every ```bash block (continuation lines ending in a backslash joined, comments
 dropped) is either run here or listed in SKIPPED with the reason. A command that is neither fails
@@ -9,7 +9,8 @@ Commands run in a fresh temporary directory that holds the README's placeholder 
 their README names (`my.yaml`, `corpus/`, `more.jsonl`, `path/to/tokenizer.json`); repository
 paths (`scripts/...`, `moe_train/configs/...`) point into this checkout. Training commands get
 `--set train.steps=2`, a fresh `logging.dir` (one run per directory, moe_train/run_dir.py) and a
-small demo corpus. No random seeds are drawn: the inputs are fixed text and the runs use their
+small demo corpus; generation commands read a tiny random checkpoint written at the README's
+`runs/tiny/checkpoints` (fixed seed). No random seeds are drawn: the inputs are fixed text and the runs use their
 configs' train.seed.
 """
 import os
@@ -72,8 +73,8 @@ def readme_commands(text):
 
 
 def classify(tokens):
-    """'train', 'help' (prints and exits: --help, --print-config), 'data', 'plan' or 'convert' for a runnable
-    command (after its VAR=value prefix)."""
+    """'train', 'help' (prints and exits: --help, --print-config), 'data', 'plan', 'convert' or 'generate' for
+    a runnable command (after its VAR=value prefix)."""
     words = tokens[next(i for i, t in enumerate(tokens) if not re.match(r"^[A-Z_][A-Z0-9_]*=", t)):]
     if words[:2] == ["bash", "scripts/pretrain_dsv3.sh"] or words[:3] == ["python", "-m", "moe_train.train"]:
         return "help" if {"--help", "--print-config"} & set(words) else "train"
@@ -83,6 +84,9 @@ def classify(tokens):
         return "plan"
     if words[:3] == ["python", "-m", "model.hf"]:
         return "convert"
+    if words[:3] == ["python", "-m", "moe_train.generate"] or (
+            words[:3] == ["python", "-m", "torch.distributed.run"] and "moe_train.generate" in words):
+        return "generate"
     return None
 
 
@@ -102,6 +106,8 @@ def make_inputs(work):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     (work / "path" / "to").mkdir(parents=True)
     tok.save(str(work / "path" / "to" / "tokenizer.json"))
+    from tests.unit._tiny_checkpoint import write_tiny_checkpoint
+    write_tiny_checkpoint(work / "runs" / "tiny" / "checkpoints", seed=0)
 
 
 def prepare(command, work, index):
@@ -157,4 +163,4 @@ def test_every_readme_command_runs_or_is_skipped(tmp_path):
         elif kind == "help" and not res.stdout.strip():
             failures.append(f"printed nothing: {command}\n{output[-2000:]}")
     assert not failures, "README commands failed:\n" + "\n\n".join(failures)
-    assert {"train", "data", "plan"} <= set(ran), ran
+    assert {"train", "data", "plan", "generate"} <= set(ran), ran
