@@ -81,7 +81,11 @@ def config_mismatches(ours: ModelArgs, hf: ModelArgs) -> list[tuple[str, object,
 
 def check_model_section(ours: ModelArgs, path: Path) -> None:
     """CheckpointError (one line) naming every model key that differs from the HF folder's config."""
-    differ = config_mismatches(ours, read_hf_args(path))
+    try:
+        hf = read_hf_args(path)
+    except HFCheckpointError as err:
+        raise CheckpointError(f"checkpoint.resume: {err}") from err
+    differ = config_mismatches(ours, hf)
     if differ:
         keys = ", ".join(f"model.{k}: config {a!r}, HF {b!r}" for k, a, b in differ)
         adopt = " ".join(f"--set model.{k}={b}" for k, _, b in differ)

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from model.args import ModelArgs
 from model.hf_layout import hf_config_from_args, hf_items
 from model.weights import ARGS_FILE, load_weights
-from moe_train.checkpoint import CheckpointError, is_hf_folder, on_all_ranks, quiet_dcp, read_metadata, resolve_resume
+from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, on_all_ranks, quiet_dcp, read_metadata,
+                                  resolve_resume)
 from moe_train.config import load_config
 from moe_train.hf_checkpoint import hf_file_layout, write_hf_folder
 from moe_train.hf_tokenizer import tokenizer_files
@@ -37,10 +38,10 @@ def export(src: Path, hf_dir: Path, dtype: torch.dtype | None = None, tokenizer:
         state = model_state(model)
         write_export(state, meta_copy(state), model.args, hf_dir, dtype, tokenizer or "byte", process_group)
         return
-    folder = resolve_resume(str(src), src) if src.exists() else None
-    if folder is None or is_hf_folder(folder):
-        raise CheckpointError(f"{src}: not a training checkpoint (root or iter_* folder) nor a native weight "
-                              f"folder (no {ARGS_FILE})")
+    if not any((src / name).is_file() for name in (METADATA_FILE, LATEST_FILE)):
+        raise CheckpointError(f"{src}: not a training checkpoint (no {METADATA_FILE} or {LATEST_FILE}) nor a "
+                              f"native weight folder (no {ARGS_FILE})")
+    folder = resolve_resume(str(src), src)
     config = load_config(folder / "config.yaml", [])
     mine, full = rank_share(folder, process_group)
     write_export(mine, full, config.model, hf_dir, dtype, tokenizer or config.data.tokenizer, process_group)

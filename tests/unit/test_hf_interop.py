@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.hf import HFCheckpointError, load_hf_checkpoint, main as hf_cli, save_hf_checkpoint
+from model.hf import load_hf_checkpoint, main as hf_cli, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from model.weights import load_weights
 from moe_train.checkpoint import CheckpointError
