@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("src", help="a checkpoint root (its latest iteration), an iter_* folder or a native weight folder")
     exp.add_argument("hf_dir")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    exp.add_argument("--tokenizer", default=None,
-                     help='"byte" or a tokenizer.json (default: the checkpoint\'s data.tokenizer; byte for a weight folder)')
+    exp.add_argument("--tokenizer", default=None, help='"byte" or a tokenizer.json (default: the checkpoint\'s '
+                                                       'data.tokenizer; byte for a weight folder)')
     opts = parser.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if distributed:

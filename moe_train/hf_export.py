@@ -53,7 +53,9 @@ def rank_share(folder: Path, process_group: dist.ProcessGroup | None) -> tuple[d
     saved = {name.removeprefix("model."): item for name, item in read_metadata(folder).state_dict_metadata.items()
              if name.startswith("model.") and isinstance(item, TensorStorageMetadata)}
     names = sorted(saved)
-    rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if dist.is_initialized() else (0, 1)
+    rank, world = 0, 1
+    if dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     mine = {n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in names[rank::world]}
     on_all_ranks(lambda: quiet_dcp(dcp.load, {"model": mine}, storage_reader=dcp.FileSystemReader(folder),
                                    process_group=process_group), process_group, f"reading {folder}")
