@@ -25,7 +25,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+def shard_tensors(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `max_shard_bytes` each (a larger tensor alone)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -38,19 +39,38 @@ def _shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict
     return shards
 
 
-def save_safetensors_dir(tensors: dict[str, torch.Tensor], path: Path, text_files: dict[str, str],
-                         max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write tensors (sharded, with an index when more than one shard) and text files to `path`.
-
-    Everything is written into a hidden sibling folder, flushed, then renamed into place, so a
-    crash never leaves a half-written folder under the final name.
-    """
+def staging_dir(path: Path) -> Path:
+    """A fresh hidden sibling of `path` to write a folder into before `publish_dir` renames it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp = path.parent / f".{path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    shards = _shards(tensors, max_shard_bytes)
+    return tmp
+
+
+def publish_dir(tmp: Path, path: Path) -> None:
+    """Flush every file of `tmp`, then rename it to `path` (replacing an older one): a crash never
+    leaves a half-written folder under the final name."""
+    for file in tmp.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    _fsync_dir(tmp)
+    old = path.parent / f".{path.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_safetensors_dir(tensors: dict[str, torch.Tensor], path: Path, text_files: dict[str, str],
+                         max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write tensors (sharded, with an index when more than one shard) and text files to `path`, atomically."""
+    path = Path(path)
+    tmp = staging_dir(path)
+    shards = shard_tensors(tensors, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
         name = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -62,16 +82,7 @@ def save_safetensors_dir(tensors: dict[str, torch.Tensor], path: Path, text_file
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)}
     for name, text in text_files.items():
         (tmp / name).write_text(text)
-    for file in tmp.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(tmp)
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, path)
 
 
 def save_weights(model: DeepSeekV3, path: str | Path) -> None:

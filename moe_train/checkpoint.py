@@ -44,6 +44,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 EXTRA_FILE = "extra.pt"
 METADATA_FILE = ".metadata"
 TMP_SUFFIX = ".tmp"
+HF_CONFIG_FILE = "config.json"  # marks a Hugging Face folder (moe_train.hf_checkpoint)
 _ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
 _EXPERT_KEY = re.compile(r"(.+)\.expert_([0-9]+)")
 _AT_FDCWD = -100
@@ -100,19 +101,19 @@ def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
     """The checkpoint folder that `checkpoint.resume` selects, or None to start from scratch.
 
     "auto": the latest checkpoint under `root`, if any; "none": None; anything else is a path to
-    either an iteration folder or a checkpoint root holding a latest file.
+    an iteration folder, a checkpoint root holding a latest file, or a Hugging Face folder.
     """
     if resume == "none":
         return None
     if resume == "auto":
         step = latest_iteration(root)
         return None if step is None else iteration_dir(root, step)
-    return checkpoint_folder(resume, "checkpoint.resume")
+    return checkpoint_folder(resume, "checkpoint.resume", hf=True)
 
 
-def checkpoint_folder(path: str | os.PathLike, what: str) -> Path:
-    """The iteration folder `path` names: itself, or the latest one of a checkpoint root; `what` (the
-    option it came from) starts the CheckpointError otherwise."""
+def checkpoint_folder(path: str | os.PathLike, what: str, hf: bool = False) -> Path:
+    """The iteration folder `path` names: itself, or the latest one of a checkpoint root (or, with `hf`,
+    a Hugging Face folder); `what` (the option it came from) starts the CheckpointError otherwise."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{what}: {path} does not exist")
@@ -120,8 +121,16 @@ def checkpoint_folder(path: str | os.PathLike, what: str) -> Path:
         return path
     if (path / LATEST_FILE).is_file():
         return iteration_dir(path, latest_iteration(path))
-    raise CheckpointError(f"{what}: {path} is neither a checkpoint folder (no {METADATA_FILE}) "
-                          f"nor a checkpoint root (no {LATEST_FILE})")
+    if hf and is_hf_folder(path):
+        return path
+    kinds = [f"a checkpoint folder (no {METADATA_FILE})", f"a checkpoint root (no {LATEST_FILE})"]
+    if hf:
+        kinds.append(f"a Hugging Face folder (no {HF_CONFIG_FILE})")
+    raise CheckpointError(f"{what}: {path} is neither {', '.join(kinds[:-1])} nor {kinds[-1]}")
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / HF_CONFIG_FILE).is_file() and not (path / METADATA_FILE).is_file()
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -139,13 +148,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     tmp = _tmp_name(final)
     coordinator = _rank(process_group) == 0
     what = f"saving {final}"
-    _on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
+    on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
     state = _full_state_dict(model, optimizer)
     needed = sum(t.numel() * t.element_size() for _, t in _flat_tensors(state))
-    _on_all_ranks(lambda: _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
+    on_all_ranks(lambda: quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
                                      process_group=process_group), process_group, what, (root, needed))
-    _on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)
-    _on_all_ranks(lambda: _publish(root, tmp, final, step, keep) if coordinator else None, process_group, what)
+    on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)
+    on_all_ranks(lambda: _publish(root, tmp, final, step, keep) if coordinator else None, process_group, what)
     return final
 
 
@@ -161,9 +170,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     """
     path = Path(path)
     state = _full_state_dict(model, None if weights_only else optimizer)
-    read_back = _on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
+    read_back = on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
                               process_group, f"loading {path}")
-    _on_all_ranks(lambda: _quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
+    on_all_ranks(lambda: quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
                                      process_group=process_group), process_group, f"loading {path}")
     if weights_only:
         return {}
@@ -287,7 +296,7 @@ def _write_limit(folder: Path, needed: int) -> str:
     return ""
 
 
-def _on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: str,
+def on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: str,
                   writes: tuple[Path, int] | None = None) -> Any:
     """fn() on this rank, then an exchange of outcomes so that every rank raises if any rank failed.
 
@@ -318,7 +327,7 @@ def _on_all_ranks(fn: Callable[[], Any], group: dist.ProcessGroup | None, what: 
     return result
 
 
-def _quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a DCP entry point without its warning that a single process is not distributed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -21,12 +21,13 @@ from model.flops import training_flops_per_token
 from model.init import initialize_parameters
 from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import (CheckpointError, iteration_dir, latest_iteration, load_checkpoint, resolve_resume,
-                                  save_checkpoint)
+from moe_train.checkpoint import (CheckpointError, is_hf_folder, iteration_dir, latest_iteration, load_checkpoint,
+                                  resolve_resume, save_checkpoint)
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
 from moe_train.config_help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
                             describe_draws, load_tokenizer)
+from moe_train.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.plan import start_up_memory_problems
@@ -204,6 +205,9 @@ class Trainer:
         path = resolve_resume(ckpt.resume, self.cfg.checkpoint_dir)
         if path is None:
             return
+        if is_hf_folder(path):
+            self._start_from_hf(path)
+            return
         extra = load_checkpoint(path, self.model, None if ckpt.weights_only else self.optimizer,
                                 weights_only=ckpt.weights_only, partial=self.pipeline is not None)
         if not ckpt.weights_only:
@@ -211,6 +215,16 @@ class Trainer:
             self.sampler.load_state_dict(extra["data"])
         if self.is_logger:
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _start_from_hf(self, path: Path) -> None:
+        """The weights of a Hugging Face folder, each rank reading only its own (moe_train.hf_checkpoint)."""
+        if not self.cfg.checkpoint.weights_only:
+            raise CheckpointError(f"checkpoint.resume: {path} is a Hugging Face folder (weights only); "
+                                  "set checkpoint.weights_only=true to start training from it")
+        check_model_section(self.cfg.model, path)
+        load_hf_weights(path, self.model, None if self.topology is None else dist.group.WORLD)
+        if self.is_logger:
+            print(f"started from the Hugging Face weights in {path}", flush=True)
 
     def kept_checkpoint(self) -> str:
         step = latest_iteration(self.cfg.checkpoint_dir)

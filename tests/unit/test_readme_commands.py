@@ -8,9 +8,11 @@ the test, so a new README command has to be made to run or be skipped on purpose
 Commands run in a fresh temporary directory that holds the README's placeholder inputs under
 their README names (`my.yaml`, `corpus/`, `more.jsonl`, `path/to/tokenizer.json`); repository
 paths (`scripts/...`, `moe_train/configs/...`) point into this checkout. Training commands get
-`--set train.steps=2`, a fresh `logging.dir` (one run per directory, moe_train/run_dir.py) and a
-small demo corpus; generation commands read a tiny random checkpoint written at the README's
-`runs/tiny/checkpoints` (fixed seed). No random seeds are drawn: the inputs are fixed text and the runs use their
+`--set train.steps=2`, a fresh `logging.dir` (one run per directory, moe_train/run_dir.py) unless they
+name their own (a later command of the README reads that run's checkpoints) and a small demo corpus;
+`torchrun` runs as `python -m torch.distributed.run`; generation commands read a tiny random checkpoint
+written at the README's `runs/tiny/checkpoints` (fixed seed). No random seeds are drawn: the inputs are
+fixed text and the runs use their
 configs' train.seed.
 """
 import os
@@ -82,7 +84,7 @@ def classify(tokens):
         return "data"
     if words[:3] == ["python", "-m", "moe_train.plan"]:
         return "plan"
-    if words[:3] == ["python", "-m", "model.hf"]:
+    if words[:3] == ["python", "-m", "model.hf"] or (words[0] == "torchrun" and "model.hf" in words):
         return "convert"
     if words[:3] == ["python", "-m", "moe_train.generate"] or (
             words[:3] == ["python", "-m", "torch.distributed.run"] and "moe_train.generate" in words):
@@ -122,9 +124,12 @@ def prepare(command, work, index):
     argv = [str(REPO / t) if t.startswith(("scripts/", "moe_train/configs/")) else t for t in tokens]
     if argv[0] == "python":
         argv[0] = sys.executable
+    if argv[0] == "torchrun":
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
     if kind == "train":
-        for override in TRAIN_REDUCTION + [f"logging.dir={work / 'runs' / f'readme{index}'}",
-                                           f"data.cache_dir={work / 'cache'}"]:
+        own_dir = any(t.startswith("logging.dir=") for t in tokens)  # a later command reads its checkpoints
+        run_dir = [] if own_dir else [f"logging.dir={work / 'runs' / f'readme{index}'}"]
+        for override in TRAIN_REDUCTION + run_dir + [f"data.cache_dir={work / 'cache'}"]:
             argv += ["--set", override]
     return kind, argv, env
 
