@@ -82,11 +82,13 @@ class DeepSeekV3(nn.Module):
         return mtp_loss(self.mtp, self.embed_tokens, self.lm_head, hidden, input_ids, labels, cos, sin)
 
 
-def mtp_loss(mtp: nn.ModuleList, embed_tokens: nn.Embedding, lm_head: Linear, hidden: torch.Tensor,
+def mtp_loss(mtp: nn.ModuleList, embed_tokens: nn.Embedding | None, lm_head: Linear, hidden: torch.Tensor,
              input_ids: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Mean over MTP depths of the cross-entropy; a function so a pipeline's last stage shares it."""
+    """Mean over MTP depths of the cross-entropy; a function so a pipeline's last stage shares it (without
+    MTP layers that stage holds no embedding: `embed_tokens` None)."""
     if not mtp:
         return torch.zeros((), device=hidden.device)
+    assert embed_tokens is not None, "MTP layers need the token embedding"
     losses = []
     for depth, layer in enumerate(mtp, start=1):
         next_embedding = embed_tokens(shift_left(input_ids, depth, fill=0))

@@ -214,7 +214,8 @@ class ModelStage:
                 self._record(microbatch, hidden)
                 return hidden
             lm_loss = token_cross_entropy(model.lm_head(model.norm(hidden)), labels)
-            mtp = mtp_loss(model.mtp, model.embed_tokens, model.lm_head, hidden, input_ids, labels, cos, sin)
+            embed = model.embed_tokens if len(model.mtp) else None  # kept on the last stage only for the MTP
+            mtp = mtp_loss(model.mtp, embed, model.lm_head, hidden, input_ids, labels, cos, sin)
             self._record(microbatch, hidden, lm_loss, mtp)
             return lm_loss + model.mtp_loss_scale * mtp
 

@@ -72,3 +72,25 @@ def test_stages_keep_global_names_and_initialisation():
     v_rank0, stages = build_stages(ARGS, specs, (0, 3))
     assert stages[0].model is stages[3].model is v_rank0
     assert sum(name == "embed_tokens.weight" for name, _ in v_rank0.named_parameters()) == 1
+
+
+def test_a_last_stage_without_mtp_layers_gives_the_full_models_lm_loss():
+    """mtp_num_layers=0: the last stage holds no embedding replica and its MTP loss is zero."""
+    args = ModelArgs(mtp_num_layers=0)
+    seed = 11
+    print(f"seed {seed}")
+    reference = DeepSeekV3(args)
+    initialize_parameters(reference, seed, args.init_method_std)
+    specs = stage_specs(args, 2, "Ett|ttL")
+    first, stages0 = build_stages(args, specs, (0,))
+    last, stages1 = build_stages(args, specs, (1,))
+    stage0, stage1 = stages0[0], stages1[1]
+    for model in (first, last):
+        initialize_parameters(model, seed, args.init_method_std)
+    assert "embed_tokens.weight" not in dict(last.named_parameters())
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, 16), generator=g)
+    hidden = stage0.forward(0, None, (input_ids, labels))
+    loss = stage1.forward(0, hidden, (input_ids, labels))
+    torch.testing.assert_close(loss, reference(input_ids, labels=labels).lm_loss)
