@@ -65,7 +65,10 @@ class ParallelConfig:
         overlap: FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
         nproc_per_node: processes per node for the launcher (default: 1 on CPU)
         zb_memory_limit: zb-auto: live activations per rank, in stage micro-batches (default 2*pp-1)
-        zb_costs: zb-auto: "f,b,w[,comm]" per stage and micro-batch (default 1,1,1,0)
+        zb_costs: zb-auto: "f,b,w[,comm]" per stage and micro-batch (default: measured by the trainer over
+            its first zb_measure_steps steps, run as zb-h1; the planner then assumes 1,1,1,0)
+        zb_measure_steps: zb-auto without zb_costs: warm-up steps (zb-h1) whose F, B and W times give the
+            costs; the first is not timed
     """
 
     pp: int = 1
@@ -84,6 +87,7 @@ class ParallelConfig:
     nproc_per_node: Optional[int] = None
     zb_memory_limit: Optional[float] = None
     zb_costs: Optional[str] = None
+    zb_measure_steps: int = 3
 
 
 @dataclass
@@ -449,6 +453,9 @@ def validate(config: Config) -> list[tuple[str, str]]:
             parse_zb_costs(p.zb_costs)
         except ValueError as err:
             problems.append(("parallel.zb_costs", str(err).removeprefix("zb_costs: ")))
+    if p.zb_measure_steps < 2:
+        problems.append(("parallel.zb_measure_steps", f"must be >= 2 (the first step is not timed), got "
+                                                      f"{p.zb_measure_steps}"))
     for key in ("zb_memory_limit", "zb_costs"):
         if getattr(p, key) is not None and p.schedule != "zb-auto":
             problems.append((f"parallel.{key}", f"applies to parallel.schedule=zb-auto only, got {p.schedule!r}"))

@@ -32,6 +32,7 @@ from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wan
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
+from moe_train.zb_measure import WARMUP_SCHEDULE, ZbCostMeter, measures_zb_costs
 from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, device_type,
                                seed_everything, select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
@@ -39,6 +40,7 @@ from moe_train.stop import StopRequest, ignore_stop_signals
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.pipeline.ir import LoweredSchedule
+from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
 from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
@@ -98,19 +100,25 @@ def start_distributed(config: Config) -> Topology | None:
                             f"x dp={topology.dp} ({topology.world_size} processes / pp {p.pp})")])
     if p.pp > 1:
         plan_pipeline(config, topology.dp)
+        if measures_zb_costs(p):  # what the warm-up switches to must fit as well
+            plan_pipeline(config, topology.dp, Costs())
     return topology
 
 
-def plan_pipeline(config: Config, dp: int) -> tuple[LoweredSchedule, list[StageSpec]]:
-    """The schedule for this step's micro-batches (global batch / (micro batch x dp)) and the stage cut."""
+def plan_pipeline(config: Config, dp: int, measured: Costs | None = None) -> tuple[LoweredSchedule, list[StageSpec]]:
+    """The schedule for this step's micro-batches (global batch / (micro batch x dp)) and the stage cut.
+    zb-auto without parallel.zb_costs starts as the warm-up schedule until `measured` costs are given."""
     p, t = config.parallel, config.train
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    schedule, search = p.schedule, zb_search(p)
+    if measures_zb_costs(p):
+        schedule, search = (WARMUP_SCHEDULE, (None, None)) if measured is None else (p.schedule, (measured, search[1]))
     try:
-        return pipeline_plan(config.model, p.pp, p.schedule, microbatches,
+        return pipeline_plan(config.model, p.pp, schedule, microbatches,
                              p.virtual_stages if p.virtual_stages > 1 else None, p.pipeline_layout,
-                             p.first_stage_layers, p.last_stage_layers, *zb_search(p))
+                             p.first_stage_layers, p.last_stage_layers, *search)
     except ValueError as err:
-        raise ConfigError([("parallel", f"schedule {p.schedule} on pp={p.pp} with {microbatches} micro-batches "
+        raise ConfigError([("parallel", f"schedule {schedule} on pp={p.pp} with {microbatches} micro-batches "
                                         f"per step: {err}")]) from None
 
 
@@ -145,6 +153,7 @@ class Trainer:
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      comm_sms=config.parallel.comm_sms, device=self.device.type)
         self.pipeline: ModelPipeline | None = None
+        self.zb_meter: ZbCostMeter | None = None
         if topology is not None and topology.pp > 1:
             lowered, specs = plan_pipeline(config, topology.dp)
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
@@ -152,6 +161,8 @@ class Trainer:
                                           forward_context=lambda: autocast(self.device, config.train.precision),
                                           overlap=config.parallel.overlap)
             self.model = self.pipeline.model
+            if measures_zb_costs(config.parallel):
+                self.zb_meter = ZbCostMeter(config.parallel.zb_measure_steps)
         else:
             self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
@@ -282,11 +293,30 @@ class Trainer:
         batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
         with aux_loss_grad_scale(scale):
             sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads))
+        if self.zb_meter is not None:
+            self._measure_zb_costs(self.zb_meter)
         dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica, each rank's vote
         self.stop.count(sums[-1])
         lm_loss, mtp_loss, aux_loss = (sums[:-1] / self.topology.dp).unbind()
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
                 "aux_loss": aux_loss}
+
+    def _measure_zb_costs(self, meter: ZbCostMeter) -> None:
+        """After a warm-up step: its times; after the last, zb-auto's schedule from the slowest rank's costs."""
+        assert self.pipeline is not None and self.pipeline.runtime is not None and self.topology is not None
+        meter.record(self.pipeline.runtime)
+        if not meter.done:
+            return
+        self.zb_meter = None
+        measured = meter.measured(self.device)
+        lowered, _ = plan_pipeline(self.cfg, self.topology.dp, measured.costs)
+        warmup, chosen = (simulate(s, measured.costs) for s in (self.pipeline.lowered.schedule, lowered.schedule))
+        self.pipeline.switch_schedule(lowered)
+        f, b, w = (1e3 * t for t in measured.seconds)
+        self.logger.info(f"zb-auto: costs per micro-batch measured over {meter.steps - 1} steps of {WARMUP_SCHEDULE} "
+                         f"(slowest stage): F {f:.2f} ms, B {b:.2f} ms, W {w:.2f} ms; predicted bubble "
+                         f"{warmup.bubble:.2f} -> {chosen.bubble:.2f} F, step {warmup.makespan:.2f} -> "
+                         f"{chosen.makespan:.2f} F ({WARMUP_SCHEDULE} -> zb-auto) from step {self.step + 1}")
 
     def _update_router_biases(self, rate: float, keep: torch.Tensor) -> torch.Tensor:
         """Bias update from the global batch's expert loads, times `keep` (0 on a skipped step);

@@ -67,15 +67,27 @@ class ModelPipeline:
         self.shape = (micro_batch_size, seq_length, args.hidden_size)
         self.runtime: Optional[PipelineRuntime] = None
         self.overlap = overlap
-        program = lowered.programs[topology.pp_rank]
+        self._use(lowered)
+        self._replicated = {id(p) for p in self.replicas.params}
+        self._sync: Optional[GradientSync] = None
+
+    def _use(self, lowered: LoweredSchedule) -> None:
+        """Run `lowered` from the next step: when each gradient is final follows from its programs."""
+        self.lowered, self.runtime = lowered, None
         stage_params = {s: stage.parameters() for s, stage in self.stages.items()}
         split = split_weights([self.model])
-        self.readiness = GradientReadiness(program, stage_params, split)
+        self.readiness = GradientReadiness(lowered.programs[self.topology.pp_rank], stage_params, split)
         if self.replicas.mirror and self.replicas.pair is not None:  # both members hold the same stages
             self.replicas.order_by_release([release_positions(lowered.programs[r], stage_params, split)
                                             for r in self.replicas.pair])
-        self._replicated = {id(p) for p in self.replicas.params}
-        self._sync: Optional[GradientSync] = None
+
+    def switch_schedule(self, lowered: LoweredSchedule) -> None:
+        """Another schedule over the same stages and micro-batches (zb-auto after its measured warm-up)."""
+        old = self.lowered.schedule
+        if lowered.schedule.placement != old.placement or lowered.schedule.num_microbatches != old.num_microbatches:
+            raise ValueError(f"switch_schedule: {lowered.schedule.name} places its stages or micro-batches "
+                             f"unlike {old.name}")
+        self._use(lowered)
 
     @property
     def num_microbatches(self) -> int:

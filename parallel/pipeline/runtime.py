@@ -98,6 +98,7 @@ class PipelineRuntime:
         self.pending_p2p: list[_PendingSend] = []
         self.peak_live = 0
         self.compute_s = 0.0
+        self.action_s: dict[ActionKind, list[float]] = {}
 
     @property
     def schedule_microbatches(self) -> int:
@@ -112,12 +113,14 @@ class PipelineRuntime:
     def step(self, inputs: Sequence[Any], loss_scale: float = 1.0) -> dict[int, torch.Tensor]:
         """Run the program on micro-batches `inputs`; returns {microbatch: loss} of this rank's
         loss stage (detached). The loss stage's backward starts from `loss_scale`. Afterwards
-        `peak_live` is the step's most micro-batch activations held at once (F done, W or BW not)
-        and `compute_s` the wall time spent in compute actions."""
+        `peak_live` is the step's most micro-batch activations held at once (F done, W or BW not),
+        `compute_s` the wall time spent in compute actions and `action_s` those times by kind (F, B,
+        W, BW; an FB action, whose halves may interleave, is counted as FB)."""
         if len(inputs) != self.schedule_microbatches:
             raise ValueError(f"{len(inputs)} micro-batches for a schedule of {self.schedule_microbatches}")
         state = _StepState()
         self.compute_s = 0.0
+        self.action_s = {}
         for item in self.lowered.programs[self.pp_rank]:
             if isinstance(item, CommBatch):
                 self._communicate(item, state)
@@ -130,7 +133,9 @@ class PipelineRuntime:
             else:
                 for half in halves:
                     self._compute(half, state, inputs, loss_scale)
-            self.compute_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.compute_s += spent
+            self.action_s.setdefault(item.kind, []).append(spent)
             if self.after_compute is not None:
                 self.after_compute(item)
         self._finish_sends(wait=True)

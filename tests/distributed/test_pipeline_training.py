@@ -40,7 +40,8 @@ def pipeline_train(pp: int, ep: int, gpus_per_node: int, schedule: str, steps: i
                 params[name] = (None, param.detach().clone())
         return {"metrics": metrics, "params": params,
                 "dispatcher": type(trainer.model.moe_blocks()[0].dispatcher).__name__ if trainer.model.moe_blocks()
-                else None, "overlap": None if hook is None else (hook.stats.pairs, hook.stats.hidden)}
+                else None, "overlap": None if hook is None else (hook.stats.pairs, hook.stats.hidden),
+                "schedule": trainer.pipeline.lowered.schedule.name}
     finally:
         if trainer is not None:
             trainer.pipeline.destroy()
@@ -81,6 +82,17 @@ def test_pp2_dp4_equals_single_process(pools, corpus_cache, tmp_path, schedule, 
     results = pools.get(8).run(pipeline_train, 2, ep, gpus_per_node, schedule, 2, corpus_cache,
                                str(tmp_path / "run"), False, deadline_s=300)
     assert {r["dispatcher"] for r in results} == {"HierarchicalDispatcher"}
+    assert_matches(results, reference)
+
+
+def test_zb_auto_from_measured_costs_switches_after_its_warm_up_and_equals_single_process(
+        pools, corpus_cache, tmp_path):  # noqa: F811
+    """zb-auto without parallel.zb_costs: 2 steps of zb-h1 time F, B and W, then zb-auto's schedule runs;
+    the 4 steps' losses and the parameters equal one process's."""
+    reference = reference_run(corpus_cache, str(tmp_path / "ref"), 4)
+    results = pools.get(2).run(pipeline_train, 2, 1, 2, "zb-auto", 4, corpus_cache, str(tmp_path / "run"), False,
+                               "parallel.zb_measure_steps=2", deadline_s=300)
+    assert {r["schedule"] for r in results} == {"zb-auto"}
     assert_matches(results, reference)
 
 
