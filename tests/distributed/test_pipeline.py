@@ -97,6 +97,7 @@ CASES = [
     ("zb-h1", 4, 6, None, None, 4, torch.float64),
     ("zb-h2", 2, 4, None, None, 4, torch.float64),
     ("zb-h2", 4, 6, None, "Ettt|t|t|mL", 5, torch.float64),
+    ("zb-auto", 4, 8, None, None, 4, torch.float64),
     ("zb-interleaved", 2, 4, 2, None, 4, torch.float64),
     ("zb-interleaved", 4, 8, 2, "E|t|t|t|t|t|t|mL", 6, torch.float64),
     ("zbv", 2, 4, None, None, 4, torch.float64),
