@@ -49,7 +49,8 @@ def decode_speed(prompt_tokens: int, new_tokens: int) -> None:
     torch.manual_seed(0)
     model = DeepSeekV3(config.model).eval()
     prompt = torch.randint(0, config.model.vocab_size, (prompt_tokens,)).tolist()
-    exchange = LowLatencyExperts(SimulatedEPGroup(1, 1).comms[0].ep, config.model.num_moe_experts, max_tokens=1)
+    exchange = LowLatencyExperts(LowLatencyExchange(SimulatedEPGroup(1, 1).comms[0].ep), config.model.num_moe_experts,
+                                 max_tokens=1)
 
     start = time.perf_counter()
     cached = list(generate_ids(model, prompt, new_tokens, lambda logits: int(logits.argmax()), exchange))

@@ -59,6 +59,8 @@ def check_dispatch(where: str, num_ranks: int, x: torch.Tensor, topk_idx: torch.
     ordered = topk_idx.sort(dim=1).values
     if bool(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any()):
         raise ValueError(f"{where}: a token lists the same expert twice in topk_idx")
+    if x.shape[1] % 8:
+        raise ValueError(f"{where}: the hidden size must be a multiple of 8 (rows of 16-byte vectors), got {x.shape[1]}")
     if use_fp8 and x.shape[1] % BLOCK:
         raise ValueError(f"{where}: use_fp8 needs the hidden size to be a multiple of {BLOCK}, got {x.shape[1]}")
     if use_ue8m0 and not (use_fp8 and round_scale):

@@ -26,15 +26,16 @@ import yaml
 
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import CheckpointError, checkpoint_folder, load_checkpoint
-from moe_train.config import Config, ConfigError, load_config
+from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config
 from moe_train.data import DataError, load_tokenizer
 from moe_train.data.tokenizers import Tokenizer
 from moe_train.decoding import generate_ids
-from moe_train.runtime import select_device
+from moe_train.runtime import device_type, select_device
 from moe_train.sampling import next_token
 from moe_train.train import EXIT_BAD_INPUT, choose_dispatcher
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
-from parallel.dispatch.comm import Comm, ProcessGroupComm
+from parallel.dispatch.comm import ProcessGroupComm
+from parallel.dispatch.low_latency import LowLatencyExchange
 from parallel.dispatch.low_latency_experts import LowLatencyExperts
 from parallel.dispatch.simulated import SimulatedEPGroup
 from parallel.topology import Topology, TopologyError, init_distributed
@@ -122,9 +123,25 @@ def load_model(config: Config, folder: Path, topology: Topology | None) -> DeepS
 
 
 def decode_exchange(config: Config, topology: Topology | None) -> LowLatencyExperts:
-    """The low-latency exchange of the decode steps (one token per rank and step) over the EP group."""
-    comm: Comm = SimulatedEPGroup(1, 1).comms[0].ep if topology is None else ProcessGroupComm(topology.ep_group)
-    return LowLatencyExperts(comm, config.model.num_moe_experts, max_tokens=1)
+    """The low-latency exchange of the decode steps (one token per rank and step) over the EP group: the
+    kernels' (`kernels_cuda.Buffer` in low-latency mode, bfloat16 rows) with `parallel.dispatcher=native`
+    on several processes, else the pure-torch reference."""
+    experts, tokens = config.model.num_moe_experts, 1
+    if topology is None:
+        return LowLatencyExperts(LowLatencyExchange(SimulatedEPGroup(1, 1).comms[0].ep), experts, tokens)
+    if choose_dispatcher(config, topology) != "native":
+        return LowLatencyExperts(LowLatencyExchange(ProcessGroupComm(topology.ep_group)), experts, tokens)
+    from kernels_cuda import Buffer
+
+    ep, device = topology.ep, device_type(config.train)
+    if topology.ep_nodes > 1 and device == "cuda":
+        raise ConfigError([("parallel.dispatcher", "the low-latency kernels reach peers inside one machine only "
+                                                   "(their NVSHMEM transport is not written): decode across nodes "
+                                                   f"with another dispatcher; {NATIVE_ALTERNATIVES}")])
+    buffer = Buffer(topology.ep_group, Buffer.get_buffer_size_hints(1, ep, 2 * config.model.hidden_size, 1)[0],
+                    Buffer.get_low_latency_rdma_size_hint(tokens, config.model.hidden_size, ep, experts),
+                    ranks_per_node=ep, timeout_s=config.parallel.timeout_s, device=device, low_latency_mode=True)
+    return LowLatencyExperts(buffer, experts, tokens, row_dtype=torch.bfloat16)
 
 
 def chooser(options: Options, vocab: int, topology: Topology | None) -> Callable[[torch.Tensor], int]:

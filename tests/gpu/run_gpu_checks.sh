@@ -36,7 +36,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 
 # Most telling first: the bf16 training step (no kernels_cuda needed), then the kernels on the GPU
 # (the CUDA runs of tests/kernels, which CI runs on the CPU emulation), then the per-process buffers,
-# then the benchmarks. Limits sum to 480 s (expected total about 5 min: the device code compiles in
+# then the benchmarks. Limits sum to 500 s (expected total about 5 min: the device code compiles in
 # seconds, the host sources with torch's headers take most of the build, which took 50-60 s on 2 cores
 # without a GPU, see docs/cuda_build_without_gpu.md); compile_check is left to CI.
 step environment 15 bash -c 'nvidia-smi; nvidia-smi --query-gpu=compute_mode --format=csv; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
@@ -49,6 +49,7 @@ step tests_processes 60 "${PYTEST[@]}" tests/gpu/test_buffer_processes.py
 step bench 20 "$PYTHON" -m tests.gpu.bench_emulated
 step bench_internode 20 "$PYTHON" -m tests.gpu.bench_internode
 step bench_overlap 20 "$PYTHON" -m tests.gpu.bench_overlap
+step bench_low_latency 20 "$PYTHON" benchmarks/low_latency_kernels.py --device cuda --tokens 128 --hidden 7168
 
 {
     echo "# GPU checks $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -59,7 +60,7 @@ step bench_overlap 20 "$PYTHON" -m tests.gpu.bench_overlap
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in train_bf16 tests_kernels tests_gpu tests_processes bench bench_internode bench_overlap; do
+    for name in train_bf16 tests_kernels tests_gpu tests_processes bench bench_internode bench_overlap bench_low_latency; do
         echo
         echo "## $name"
         echo '```'

@@ -18,6 +18,7 @@ from moe_train.data.tokenizers import ByteTokenizer
 from moe_train.generate import TextStream, main as generate_main
 from moe_train.sampling import next_token
 from parallel.dispatch.alltoall import AllToAllDispatcher
+from parallel.dispatch.low_latency import LowLatencyExchange
 from parallel.dispatch.low_latency_experts import LowLatencyExperts
 from parallel.dispatch.simulated import SimulatedEPGroup
 from tests.unit._tiny_checkpoint import TINY, write_tiny_checkpoint
@@ -75,7 +76,7 @@ def test_low_latency_decode_of_an_ep_group_equals_one_process():
 
     def rank_logits(rank, comms):
         model = rank_model(full, AllToAllDispatcher(comms.ep, args.num_moe_experts, 2))
-        exchange = LowLatencyExperts(comms.ep, args.num_moe_experts, max_tokens=3)
+        exchange = LowLatencyExperts(LowLatencyExchange(comms.ep), args.num_moe_experts, max_tokens=3)
         cache = KVCache(args, 3, 9)
         with torch.no_grad():
             steps = [model(ids[rank, :, :4], cache=cache).logits]

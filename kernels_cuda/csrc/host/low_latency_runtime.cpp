@@ -85,6 +85,7 @@ class LowLatencyRuntime final : public RuntimeCore {
         p.use_fp8 = s["use_fp8"].cast<bool>();
         p.round_scale = s["round_scale"].cast<bool>();
         p.use_ue8m0 = s["use_ue8m0"].cast<bool>();
+        TORCH_CHECK(!p.use_fp8 || p.hidden % 128 == 0, "kernels_cuda: FP8 needs the hidden size to be a multiple of 128");
         for (size_t i = 0; i < ranks.size(); ++i) {
             const py::dict& d = ranks[i];
             ep::LowLatencyRankArgs& a = p.ranks[i];
@@ -122,8 +123,9 @@ class LowLatencyRuntime final : public RuntimeCore {
     }
 
     ep::LowLatencyLayout checked_layout(int num_experts, int max_tokens, int hidden) const {
-        TORCH_CHECK(num_experts % world_size_ == 0 && max_tokens >= 1 && hidden % 128 == 0,
-                    "kernels_cuda: bad low-latency sizes (experts must split over ranks, hidden a multiple of 128)");
+        TORCH_CHECK(num_experts % world_size_ == 0 && max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0,
+                    "kernels_cuda: bad low-latency sizes (experts must split over ranks, hidden a multiple of 8: "
+                    "rows of 16-byte vectors)");
         const ep::LowLatencyLayout l = ep::make_low_latency_layout(num_experts, max_tokens, hidden);
         check_fits("low-latency region", l.total, num_bytes_);
         return l;
