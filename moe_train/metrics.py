@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -77,11 +78,29 @@ def wandb_module() -> Any | None:
     return wandb
 
 
+WANDB_ID_FILE = "wandb/run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of this run directory, made at its first start and kept in `wandb/run_id`, so a
+    resumed run logs on into the same W&B run (offline: `wandb sync` joins its folders)."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(".tmp")
+    staged.write_text(run_id + "\n")
+    staged.replace(path)
+    return run_id
+
+
 class MetricsLogger:
     """Writes only on the logging rank; other ranks get a logger that does nothing.
 
     `wandb` holds the arguments of `wandb.init` (project, mode, config, ...) to log the same scalars to
-    Weights & Biases, with its files under `<run_dir>/wandb`; None: no W&B.
+    Weights & Biases, with its files under `<run_dir>/wandb` and one W&B run per run directory, resumed
+    with it; None: no W&B.
     """
 
     def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool,
@@ -98,7 +117,8 @@ class MetricsLogger:
         except OSError as err:
             raise LogWriteError(f"cannot write {err.filename or self.path}: {err.strerror}") from err
         if wandb is not None:
-            self.wandb_run = wandb_module().init(dir=str(run_dir), **wandb)
+            self.wandb_run = wandb_module().init(dir=str(run_dir), id=wandb_run_id(Path(run_dir)), resume="allow",
+                                                 **wandb)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
