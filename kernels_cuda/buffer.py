@@ -220,6 +220,7 @@ class Buffer:
     per rank (`get_low_latency_rdma_size_hint`), mapped by every peer as the intranode buffer is. It is
     an allocation of its own (across nodes the normal kernels' RDMA region is another one of the same
     size), so normal ops never dirty it; `clean_low_latency_buffer` is needed only after a failed op.
+    Peers on other machines are reached through NVSHMEM (`rdma_transport`, as for the RDMA hop).
     """
 
     def __init__(self, group: Any, num_nvl_bytes: int, num_rdma_bytes: int = 0, *, ranks_per_node: int | None = None,
@@ -270,10 +271,8 @@ class Buffer:
             if num_rdma_bytes <= 0:
                 raise ValueError("kernels_cuda Buffer: low_latency_mode needs num_rdma_bytes > 0 (see "
                                  "Buffer.get_low_latency_rdma_size_hint)")
-            runtime = ext.LowLatencyRuntime(self.rank, self.num_ranks, int(num_rdma_bytes), False)
-            handles = [None] * self.num_ranks
-            dist.all_gather_object(handles, runtime.ipc_handle(), group=group)
-            runtime.open_ipc_handles(handles)
+            runtime = low_latency_runtime(ext, check_rdma_transport(rdma_transport, group, ext, self.device), group,
+                                          self.rank, self.num_ranks, int(num_rdma_bytes))
             apply_schedule(runtime, self.device, schedule)
             self.low_latency = LowLatencyEngine(runtime, self.num_ranks, timeout_cycles, device_sms(self.device, schedule))
         dist.barrier(group=group)  # every peer mapped this rank's regions
@@ -441,6 +440,22 @@ class Buffer:
         self.runtime.destroy()
         if self.low_latency is not None:
             self.low_latency.runtime.destroy()
+
+
+def low_latency_runtime(ext: Any, transport: str, group: Any, rank: int, num_ranks: int, num_bytes: int) -> Any:
+    """This rank's low-latency runtime, its peers' regions mapped (collective): CUDA IPC (or shared memory on
+    the CPU emulation) inside a machine, NVSHMEM's symmetric heap across machines."""
+    import torch.distributed as dist
+
+    if transport == "nvshmem":
+        unique_id = [ext.NvshmemLowLatencyRuntime.unique_id(num_bytes) if rank == 0 else None]
+        dist.broadcast_object_list(unique_id, group=group, group_src=0)
+        return ext.NvshmemLowLatencyRuntime(rank, num_ranks, num_bytes, unique_id[0])
+    runtime = ext.LowLatencyRuntime(rank, num_ranks, num_bytes, False)
+    handles: list = [None] * num_ranks
+    dist.all_gather_object(handles, runtime.ipc_handle(), group=group)
+    runtime.open_ipc_handles(handles)
+    return runtime
 
 
 def ranks_on_this_machine(group: Any) -> int:

@@ -23,7 +23,7 @@ CUDA_SOURCES = sorted((CSRC / "kernels").glob("*.cu"))
 HOST_SOURCES = [CSRC / "host" / name for name in ("bindings.cpp", "internode_runtime.cpp", "low_latency_runtime.cpp")]
 # Kernel sources with a Backend::kNvshmem instantiation, and the NVSHMEM set-up (host code, compiled by
 # nvcc so that NVSHMEM's initialisation is device-linked with those kernels): NVSHMEM builds only.
-NVSHMEM_KERNEL_SOURCES = [p for p in CUDA_SOURCES if p.name.startswith("internode_")]
+NVSHMEM_KERNEL_SOURCES = [p for p in CUDA_SOURCES if p.name.startswith(("internode_", "low_latency_"))]
 NVSHMEM_SOURCES = [CSRC / "host" / "nvshmem_world.cu"]
 # No Hopper-only instructions (TMA, wgmma, setmaxnreg) are used yet, so plain sm_90 suffices;
 # switch to compute_90a/sm_90a when they are.

@@ -193,7 +193,13 @@ class LowLatencyEngine:
                 return_recv_hook: bool, outs: Sequence[torch.Tensor | None]) -> list[tuple]:
         """Per rank: (combined_x, event, hook), as low_latency_combine; an x of None is the zero-copy buffer."""
         R = self.num_ranks
-        xs = [self.next_combine_buffer(r, h) if x is None else x for r, x, h in zip(ranks, xs, handles)]
+        buffers = [self.next_combine_buffer(r, h) for r, h in zip(ranks, handles)]
+        if self.runtime.symmetric_sources:  # NVSHMEM puts read from the region: the input goes there first
+            for buffer, x in zip(buffers, xs):
+                if x is not None:
+                    buffer.copy_(x)
+            xs = [None] * len(buffers)
+        xs = [buffer if x is None else x for buffer, x in zip(buffers, xs)]
         for r, x, idx, w, h, out in zip(ranks, xs, topk_idx, topk_weights, handles, outs):
             check_combine(f"low_latency_combine (rank {r})", R, x, idx, w, h, use_logfmt, out)
         h0 = handles[0]

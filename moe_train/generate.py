@@ -26,7 +26,7 @@ import yaml
 
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import CheckpointError, checkpoint_folder, load_checkpoint
-from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config
+from moe_train.config import Config, ConfigError, load_config
 from moe_train.data import DataError, load_tokenizer
 from moe_train.data.tokenizers import Tokenizer
 from moe_train.decoding import generate_ids
@@ -134,13 +134,11 @@ def decode_exchange(config: Config, topology: Topology | None) -> LowLatencyExpe
     from kernels_cuda import Buffer
 
     ep, device = topology.ep, device_type(config.train)
-    if topology.ep_nodes > 1 and device == "cuda":
-        raise ConfigError([("parallel.dispatcher", "the low-latency kernels reach peers inside one machine only "
-                                                   "(their NVSHMEM transport is not written): decode across nodes "
-                                                   f"with another dispatcher; {NATIVE_ALTERNATIVES}")])
-    buffer = Buffer(topology.ep_group, Buffer.get_buffer_size_hints(1, ep, 2 * config.model.hidden_size, 1)[0],
-                    Buffer.get_low_latency_rdma_size_hint(tokens, config.model.hidden_size, ep, experts),
-                    ranks_per_node=ep, timeout_s=config.parallel.timeout_s, device=device, low_latency_mode=True)
+    # The normal-mode regions are not used by the decode steps: the smallest the buffer takes.
+    nvl, rdma = Buffer.get_buffer_size_hints(topology.ep_nodes, topology.ep_ranks_per_node, 16, 1)
+    low_latency = Buffer.get_low_latency_rdma_size_hint(tokens, config.model.hidden_size, ep, experts)
+    buffer = Buffer(topology.ep_group, nvl, max(rdma, low_latency), ranks_per_node=topology.ep_ranks_per_node,
+                    timeout_s=config.parallel.timeout_s, device=device, low_latency_mode=True)
     return LowLatencyExperts(buffer, experts, tokens, row_dtype=torch.bfloat16)
 
 

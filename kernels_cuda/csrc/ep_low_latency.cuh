@@ -1,7 +1,7 @@
-// Device helpers of the low-latency kernels: where a half's parts live, the e4m3 cast (bit-exact with
-// torch's float8_e4m3fn, round to nearest even), the exact power-of-two scale, the float operations
-// the combine sums with (never contracted into FMAs: the sums must equal the reference's), and the
-// zeroing of the next half that every op starts with.
+// Device helpers of the low-latency kernels: their transport, where a half's parts live, the e4m3 cast
+// (bit-exact with torch's float8_e4m3fn, round to nearest even), the exact power-of-two scale, the float
+// operations the combine sums with (never contracted into FMAs: the sums must equal the reference's),
+// and the zeroing of the next half that every op starts with.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -11,10 +11,57 @@
 #include "ep_low_latency.h"
 #include "ep_ptx.cuh"
 #include "ep_ring.cuh"
+#include "ep_transport.cuh"
+
+#if defined(EP_WITH_NVSHMEM)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 
 namespace ep {
 
 constexpr int kLowLatencyThreads = kLowLatencyWarps * 32;
+
+// How a rank reaches its peers' regions: the intranode kernels' peer stores (kEmulated: slices of one
+// allocation; kNvlink: CUDA IPC or, on the CPU emulation, shared memory), or, between machines,
+// NVSHMEM (kNvshmem: every region at the same symmetric address, PE = EP rank). Each has
+// peer_ptr(me, offset) for this rank's own region, put_warp (a warp's copy into a peer's region),
+// quiet (this thread's puts delivered), signal_store / signal_add (a release store / add on a peer's
+// word, after the quiet of the puts it covers) and kScope (of the polls on this rank's own words).
+template <Backend B>
+struct LowLatencyTransport : Transport<B> {
+    using Transport<B>::Transport;
+};
+
+#if defined(EP_WITH_NVSHMEM)
+// Compiled and device-linked by compile_check; it has never run (no GPUs across machines here). Sources
+// of puts must be symmetric: the dispatch stages its messages in the region, the combine's input is the
+// region's zero-copy buffer (kernels_cuda/low_latency.py copies it there).
+template <>
+struct LowLatencyTransport<Backend::kNvshmem> {
+    static constexpr Scope kScope = Scope::kSys;
+    uint8_t* const* peers;  // every entry is this PE's symmetric base
+
+    __device__ __forceinline__ explicit LowLatencyTransport(uint8_t* const* peer_table) : peers(peer_table) {}
+
+    template <typename T = uint8_t>
+    __device__ __forceinline__ T* peer_ptr(int /*own rank*/, int64_t offset) const {
+        return reinterpret_cast<T*>(peers[0] + offset);
+    }
+    __device__ __forceinline__ void put_warp(int rank, int64_t offset, const int4* src, int num_int4) const {
+        nvshmemx_putmem_nbi_warp(peer_ptr(rank, offset), src, static_cast<size_t>(num_int4) * 16, rank);
+    }
+    __device__ __forceinline__ void quiet() const { nvshmem_quiet(); }
+    __device__ __forceinline__ void signal_store(int rank, int64_t offset, int value) const {
+        nvshmem_fence();
+        nvshmem_int_atomic_set(peer_ptr<int>(rank, offset), value, rank);
+    }
+    __device__ __forceinline__ int signal_add(int rank, int64_t offset, int value) const {
+        nvshmem_fence();
+        return nvshmem_int_atomic_fetch_add(peer_ptr<int>(rank, offset), value, rank);
+    }
+};
+#endif
 constexpr float kE4m3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
 

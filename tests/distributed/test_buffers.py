@@ -183,6 +183,9 @@ def low_latency_rank(world: int, gpus_per_node: int, seed: int) -> bool:
     buffer = Buffer(dist.group.WORLD, 1 << 20, Buffer.get_low_latency_rdma_size_hint(T_MAX, H, world, E),
                     ranks_per_node=gpus_per_node, timeout_cycles=TIMEOUT_CYCLES, device="cpu", schedule=schedule,
                     low_latency_mode=True)
+    with pytest.raises(ValueError, match="share memory between the processes of one machine"):
+        Buffer(dist.group.WORLD, 1 << 20, 1 << 20, ranks_per_node=gpus_per_node, device="cpu", low_latency_mode=True,
+               rdma_transport="nvshmem")  # peers on other machines: NVSHMEM, which the CPU emulation has not
     reference = LowLatencyExchange(ProcessGroupComm(dist.group.WORLD))
     for mode, hooked in (("ue8m0", False), ("bf16", True)):
         fp8 = FP8_MODES[mode]

@@ -1,6 +1,7 @@
 // Host side of the low-latency kernels: LowLatencyRuntime owns every rank's low-latency region as this
 // process addresses it (one rank per process, its peers' regions mapped through CUDA IPC, or shared
-// memory on the CPU emulation; or every rank emulated in one process), checks the sizes and fills the
+// memory on the CPU emulation; or every rank emulated in one process; NvshmemLowLatencyRuntime: the
+// region in NVSHMEM's symmetric heap, for peers on other machines), checks the sizes and fills the
 // kernels' parameter block (ep_low_latency.h) from per-rank dicts of tensors. Which half an op uses,
 // its number and the hook rule are kept by the Python engine (kernels_cuda/low_latency.py).
 #include "low_latency_runtime.h"
@@ -8,6 +9,7 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 #include "../ep_low_latency.h"
@@ -15,15 +17,16 @@
 #include "runtime_common.h"
 #include "tensor_args.h"
 
+#if defined(EP_WITH_NVSHMEM)
+#include "nvshmem_world.h"
+#endif
+
 namespace {
 
-class LowLatencyRuntime final : public RuntimeCore {
+class LowLatencyRuntime : public RuntimeCore {
    public:
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, bool emulated)
-        : RuntimeCore(checked_world(num_ranks, num_bytes), rank,
-                      emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink),
-          num_bytes_(num_bytes),
-          regions_("low-latency region", num_ranks) {
+        : LowLatencyRuntime(rank, num_ranks, num_bytes, emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink) {
         if (emulated)
             regions_.allocate_all(num_bytes);
         else
@@ -110,6 +113,18 @@ class LowLatencyRuntime final : public RuntimeCore {
 
     int64_t num_bytes() const { return num_bytes_; }
 
+    // Whether the sources of the kernels' puts must lie in the region (NVSHMEM): the combine's input is
+    // then copied into the zero-copy buffer first.
+    bool symmetric_sources() const { return backend_ == ep::Backend::kNvshmem; }
+
+   protected:
+    LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, ep::Backend backend)
+        : RuntimeCore(checked_world(num_ranks, num_bytes), rank, backend),
+          num_bytes_(num_bytes),
+          regions_("low-latency region", num_ranks) {}
+
+    RankRegions regions_;  // by rank
+
    private:
     static int checked_world(int num_ranks, int64_t num_bytes) {
         TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
@@ -167,8 +182,40 @@ class LowLatencyRuntime final : public RuntimeCore {
     }
 
     const int64_t num_bytes_;
-    RankRegions regions_;  // by rank
 };
+
+#if defined(EP_WITH_NVSHMEM)
+namespace world = ep::nvshmem_world;
+
+// The region in NVSHMEM's symmetric heap (Backend::kNvshmem, PE = EP rank), for EP groups across
+// machines. Collective over the group: every rank constructs one with the unique id made by rank 0
+// (empty once this process's NVSHMEM world exists, e.g. from an internode buffer).
+class NvshmemLowLatencyRuntime final : public LowLatencyRuntime {
+   public:
+    NvshmemLowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, const std::string& unique_id)
+        : LowLatencyRuntime(rank, num_ranks, num_bytes, ep::Backend::kNvshmem) {
+        world::size_heap(num_bytes);
+        world::join(unique_id, rank, world_size_);
+        regions_.adopt(rank, world::allocate(num_bytes), free_symmetric);
+        uint8_t* symmetric = regions_.at(rank);
+        check_cuda(cudaMemset(symmetric, 0, num_bytes), "cudaMemset(low-latency region)");
+        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        world::barrier();  // every region is zero before any peer signals into it
+        for (int r = 0; r < num_ranks; ++r) regions_.alias(r, symmetric);  // the same address on every PE
+    }
+
+    static py::bytes unique_id(int64_t num_bytes) {
+        world::size_heap(num_bytes);
+        return py::bytes(world::initialised() ? std::string() : world::unique_id());
+    }
+
+   private:
+    static void free_symmetric(void* region) {
+        world::barrier();  // no peer reads or writes this rank's region any more
+        world::deallocate(region);
+    }
+};
+#endif
 
 }  // namespace
 
@@ -183,6 +230,12 @@ void register_low_latency(py::module_& m) {
         .def("combine_buffer", &LowLatencyRuntime::combine_buffer)
         .def("dispatch", &LowLatencyRuntime::dispatch)
         .def("combine", &LowLatencyRuntime::combine)
-        .def_property_readonly("num_bytes", &LowLatencyRuntime::num_bytes);
+        .def_property_readonly("num_bytes", &LowLatencyRuntime::num_bytes)
+        .def_property_readonly("symmetric_sources", &LowLatencyRuntime::symmetric_sources);
     bind_runtime_core(runtime);
+#if defined(EP_WITH_NVSHMEM)
+    py::class_<NvshmemLowLatencyRuntime, LowLatencyRuntime>(m, "NvshmemLowLatencyRuntime")
+        .def(py::init<int, int, int64_t, const std::string&>())
+        .def_static("unique_id", &NvshmemLowLatencyRuntime::unique_id);
+#endif
 }

@@ -9,7 +9,6 @@
 //     sum over k of w[t][k] * row(expert k, t), in fp32, in k order, rounded once to bfloat16.
 #include "../ep_launch.cuh"
 #include "../ep_low_latency.cuh"
-#include "../ep_transport.cuh"
 #include "../ep_vec.cuh"
 
 namespace ep {
@@ -17,7 +16,7 @@ namespace ep {
 namespace {
 
 template <Backend B>
-__device__ void combine_send(const LowLatencyParams& p, const LowLatencyRankArgs& a, const Transport<B>& net, int block) {
+__device__ void combine_send(const LowLatencyParams& p, const LowLatencyRankArgs& a, const LowLatencyTransport<B>& net, int block) {
     const LowLatencyLayout& l = p.layout;
     const int me = a.rank, R = p.num_ranks, local_experts = p.num_experts / R;
     const int row_int4 = p.hidden * 2 / 16;
@@ -47,8 +46,8 @@ __device__ void combine_send(const LowLatencyParams& p, const LowLatencyRankArgs
 }
 
 template <Backend B>
-__device__ void combine_recv(const LowLatencyParams& p, const LowLatencyRankArgs& a, const Transport<B>& net, int block) {
-    constexpr Scope S = Transport<B>::kScope;
+__device__ void combine_recv(const LowLatencyParams& p, const LowLatencyRankArgs& a, const LowLatencyTransport<B>& net, int block) {
+    constexpr Scope S = LowLatencyTransport<B>::kScope;
     const LowLatencyLayout& l = p.layout;
     const int me = a.rank, local_experts = p.num_experts / p.num_ranks, num_topk = p.num_topk;
     const uint8_t* half = net.template peer_ptr<uint8_t>(me, half_offset(p, p.half));
@@ -93,7 +92,7 @@ template <Backend B>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1) low_latency_combine_kernel(const __grid_constant__ LowLatencyParams p) {
     const LowLatencyRankArgs& a = p.ranks[blockIdx.x / p.num_channels];
     const int block = static_cast<int>(blockIdx.x % p.num_channels);
-    const Transport<B> net(a.peers);
+    const LowLatencyTransport<B> net(a.peers);
     if (p.phases & kLowLatencySendPhase) combine_send(p, a, net, block);
     if (p.phases & kLowLatencyRecvPhase) combine_recv(p, a, net, block);
 }
@@ -101,10 +100,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1) low_latency_combine_ker
 }  // namespace
 
 cudaError_t launch_low_latency_combine(const LowLatencyParams& p, Backend backend, cudaStream_t stream) {
-    const int blocks = p.num_launch_ranks * p.num_channels;
-    if (backend == Backend::kEmulated)
-        return launch_cooperative(low_latency_combine_kernel<Backend::kEmulated>, blocks, kLowLatencyThreads, stream, p);
-    return launch_cooperative(low_latency_combine_kernel<Backend::kNvlink>, blocks, kLowLatencyThreads, stream, p);
+    return launch_by_backend(backend, low_latency_combine_kernel<Backend::kEmulated>, low_latency_combine_kernel<Backend::kNvlink>,
+                             EP_NVSHMEM_KERNEL(low_latency_combine_kernel<Backend::kNvshmem>), p.num_launch_ranks * p.num_channels,
+                             kLowLatencyThreads, stream, p);
 }
 
 }  // namespace ep

@@ -14,7 +14,6 @@
 //     sources in arrival order.
 #include "../ep_launch.cuh"
 #include "../ep_low_latency.cuh"
-#include "../ep_transport.cuh"
 
 namespace ep {
 
@@ -54,7 +53,7 @@ __device__ void stage_token(const LowLatencyParams& p, const LowLatencyRankArgs&
 }
 
 template <Backend B>
-__device__ void dispatch_send(const LowLatencyParams& p, const LowLatencyRankArgs& a, const Transport<B>& net, int block) {
+__device__ void dispatch_send(const LowLatencyParams& p, const LowLatencyRankArgs& a, const LowLatencyTransport<B>& net, int block) {
     const LowLatencyLayout& l = p.layout;
     const int me = a.rank, num_topk = p.num_topk, local_experts = p.num_experts / p.num_ranks;
     uint8_t* own = net.template peer_ptr<uint8_t>(me, 0);
@@ -112,8 +111,8 @@ __device__ void dispatch_send(const LowLatencyParams& p, const LowLatencyRankArg
 }
 
 template <Backend B>
-__device__ void dispatch_recv(const LowLatencyParams& p, const LowLatencyRankArgs& a, const Transport<B>& net, int block) {
-    constexpr Scope S = Transport<B>::kScope;
+__device__ void dispatch_recv(const LowLatencyParams& p, const LowLatencyRankArgs& a, const LowLatencyTransport<B>& net, int block) {
+    constexpr Scope S = LowLatencyTransport<B>::kScope;
     const LowLatencyLayout& l = p.layout;
     const int me = a.rank, lane = lane_id(), R = p.num_ranks, local_experts = p.num_experts / R;
     const int64_t slots = static_cast<int64_t>(R) * p.max_tokens;
@@ -162,7 +161,7 @@ template <Backend B>
 __global__ void __launch_bounds__(kLowLatencyThreads, 1) low_latency_dispatch_kernel(const __grid_constant__ LowLatencyParams p) {
     const LowLatencyRankArgs& a = p.ranks[blockIdx.x / p.num_channels];
     const int block = static_cast<int>(blockIdx.x % p.num_channels);
-    const Transport<B> net(a.peers);
+    const LowLatencyTransport<B> net(a.peers);
     if (p.phases & kLowLatencySendPhase) dispatch_send(p, a, net, block);
     if (p.phases & kLowLatencyRecvPhase) dispatch_recv(p, a, net, block);
 }
@@ -170,10 +169,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1) low_latency_dispatch_ke
 }  // namespace
 
 cudaError_t launch_low_latency_dispatch(const LowLatencyParams& p, Backend backend, cudaStream_t stream) {
-    const int blocks = p.num_launch_ranks * p.num_channels;
-    if (backend == Backend::kEmulated)
-        return launch_cooperative(low_latency_dispatch_kernel<Backend::kEmulated>, blocks, kLowLatencyThreads, stream, p);
-    return launch_cooperative(low_latency_dispatch_kernel<Backend::kNvlink>, blocks, kLowLatencyThreads, stream, p);
+    return launch_by_backend(backend, low_latency_dispatch_kernel<Backend::kEmulated>, low_latency_dispatch_kernel<Backend::kNvlink>,
+                             EP_NVSHMEM_KERNEL(low_latency_dispatch_kernel<Backend::kNvshmem>), p.num_launch_ranks * p.num_channels,
+                             kLowLatencyThreads, stream, p);
 }
 
 }  // namespace ep
