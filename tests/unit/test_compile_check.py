@@ -119,10 +119,13 @@ def test_nvshmem_pass_compiles_device_links_and_links_the_back_end():
     out = proc.stdout
     for kernel in ("internode_notify_kernel<kNvshmem>", "internode_cached_notify_kernel<kNvshmem>",
                    "internode_dispatch_kernel<kNvshmem>", "internode_combine_kernel<kNvshmem, float>",
-                   "internode_combine_kernel<kNvshmem, __nv_bfloat16>"):
+                   "internode_combine_kernel<kNvshmem, __nv_bfloat16>", "low_latency_dispatch_kernel<kNvshmem>",
+                   "low_latency_combine_kernel<kNvshmem>"):
         assert kernel in out
     assert "nvshmem_world.cu" in out
     for step in ("device link (-lnvshmem_device)", "host link (shared, --no-undefined)",
-                 "bindings.cpp (-DEP_WITH_NVSHMEM)", "internode_runtime.cpp (-DEP_WITH_NVSHMEM)"):
+                 "bindings.cpp (-DEP_WITH_NVSHMEM)", "internode_runtime.cpp (-DEP_WITH_NVSHMEM)",
+                 "low_latency_runtime.cpp (-DEP_WITH_NVSHMEM)"):
         assert re.search(re.escape(step) + r"\s+ok\s", out), step
-    assert re.search(r"NVSHMEM 4 sources \d+ kernels, linked; 0 problems", out), out
+    sources = len(build.NVSHMEM_KERNEL_SOURCES) + len(build.NVSHMEM_SOURCES)  # internode_*, low_latency_*, world
+    assert sources == 6 and re.search(rf"NVSHMEM {sources} sources \d+ kernels, linked; 0 problems", out), out
