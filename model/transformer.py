@@ -44,11 +44,17 @@ class ModelPart:
 class ModelOutput:
     logits: torch.Tensor | None = None  # [B, T, V] of the main model, where the part has the head
     hidden: torch.Tensor | None = None  # [B, T, d] output of the part's last decoder layer (pre-norm)
-    loss: torch.Tensor | None = None  # prediction_loss + aux (aux gradients flow via the MoE blocks)
     prediction_loss: torch.Tensor | None = None  # lm + mtp_scale * mtp, with its graph
     lm_loss: torch.Tensor | None = None
     mtp_loss: torch.Tensor | None = None  # mean over depths, unscaled
     aux_loss: torch.Tensor | None = None  # sum over the part's MoE layers of the sequence-wise balance loss
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """prediction_loss + aux_loss, what training backpropagates (the balance losses are values here:
+        their gradients are injected in the MoE blocks). Added outside the forward, so that a
+        compiled forward returns one differentiable scalar, whose backward gets a gradient."""
+        return None if self.prediction_loss is None else self.prediction_loss + self.aux_loss
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,13 +143,14 @@ class DeepSeekV3(nn.Module):
         if labels is None:
             return ModelOutput(logits=logits, hidden=hidden)
 
-        lm_loss = token_cross_entropy(logits, labels)
-        mtp_loss = self._mtp_loss(hidden, input_ids, labels, cos, sin, aux_grad_scale)
+        lm_loss = prediction_loss = token_cross_entropy(logits, labels)
+        mtp_loss = torch.zeros((), device=logits.device)
+        if self.mtp:  # (lm + scale * a zero constant would lose its graph under torch.compile, torch 2.13)
+            mtp_loss = self._mtp_loss(hidden, input_ids, labels, cos, sin, aux_grad_scale)
+            scale = self.args.mtp_loss_scaling_factor if mtp_loss_scale is None else mtp_loss_scale
+            prediction_loss = lm_loss + scale * mtp_loss
         aux_loss = self._aux_loss(part, hidden)
-        scale = self.args.mtp_loss_scaling_factor if mtp_loss_scale is None else mtp_loss_scale
-        prediction_loss = lm_loss + scale * mtp_loss
-        return ModelOutput(logits, hidden, prediction_loss + aux_loss, prediction_loss, lm_loss.detach(),
-                           mtp_loss.detach(), aux_loss)
+        return ModelOutput(logits, hidden, prediction_loss, lm_loss.detach(), mtp_loss.detach(), aux_loss)
 
     def _part(self, part: ModelPart | None) -> ModelPart:
         if part is None:
@@ -162,8 +169,6 @@ class DeepSeekV3(nn.Module):
     def _mtp_loss(self, hidden: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, aux_grad_scale: float | None) -> torch.Tensor:
         """Mean over MTP depths of the cross-entropy."""
-        if not self.mtp:
-            return torch.zeros((), device=hidden.device)
         losses = []
         for depth, layer in enumerate(self.mtp, start=1):
             next_embedding = self.embed_tokens(shift_left(input_ids, depth, fill=0))
