@@ -161,7 +161,7 @@ class ModelStage:
 
     def __init__(self, model: DeepSeekV3, spec: StageSpec) -> None:
         self.model, self.spec, self.part = model, spec, spec.part
-        self._losses: dict[int, torch.Tensor] = {}
+        self.parts: dict[int, torch.Tensor] = {}  # micro-batch -> [lm, mtp, aux], until popped
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
@@ -185,12 +185,12 @@ class ModelStage:
                              mtp_loss_scale=inputs.mtp_loss_scale, aux_grad_scale=inputs.loss_scale)
         zero = out.aux_loss.new_zeros((), dtype=torch.float64)
         lm, mtp = (zero, zero) if not self.is_last else (out.lm_loss.double(), out.mtp_loss.double())
-        self._losses[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])
+        self.parts[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])
         return out.prediction_loss if self.is_last else out.hidden
 
     def pop_parts(self) -> dict[int, torch.Tensor]:
         """Per micro-batch [lm_loss, mtp_loss, aux_loss] (zeros where this stage has no such part)."""
-        parts, self._losses = self._losses, {}
+        parts, self.parts = self.parts, {}
         return parts
 
 
