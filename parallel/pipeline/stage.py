@@ -184,7 +184,7 @@ class ModelStage:
             out = self.model(inputs.input_ids, inputs.labels, hidden=x, part=self.part,
                              mtp_loss_scale=inputs.mtp_loss_scale, aux_grad_scale=inputs.loss_scale)
         zero = out.aux_loss.new_zeros((), dtype=torch.float64)
-        lm, mtp = (zero, zero) if not self.is_last else (out.lm_loss.double(), out.mtp_loss.double())
+        lm, mtp = (out.lm_loss.double(), out.mtp_loss.double()) if self.is_last else (zero, zero)
         self.parts[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])
         return out.prediction_loss if self.is_last else out.hidden
 
