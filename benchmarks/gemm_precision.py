@@ -25,7 +25,7 @@ from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 from moe_train.runtime import autocast
 from parallel.pipeline.ir import ActionKind
-from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
+from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore, zero_grad_buffers
 
 aten = torch.ops.aten
 
@@ -135,25 +135,25 @@ class GemmCensus(TorchDispatchMode):
         return dict(found)
 
 
-def census_step(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, precision: str = "bf16",
-                split: bool = False) -> GemmCensus:
-    """One forward+backward as `train.precision=precision` runs it, recorded: plain autograd, or
-    split (a B scope, then its W). Gradients are left in the parameters' `.grad`."""
+def census_step(model: DeepSeekV3, input_ids: torch.Tensor, labels: torch.Tensor,
+                precision: str = "bf16") -> GemmCensus:
+    """One forward+backward as `train.precision=precision` runs it, recorded: plain autograd, or,
+    where the model's GEMMs are split (`SplitGemmOps`), a B scope, then its W. Gradients are left in
+    the parameters' `.grad`."""
     model.zero_grad(set_to_none=True)
 
     def loss() -> torch.Tensor:
         with autocast(input_ids.device, precision):
-            return model(input_ids, labels).loss
+            return model(input_ids, labels, aux_grad_scale=1.0).loss
 
     with ModuleTracker() as tracker, GemmCensus(tracker) as census:
-        if split:
-            store = WeightGradStore()
-            with split_backward(store):
-                zero_grad_buffers(model.parameters())
-                out = loss()
-                with store.scope(0, 0, ActionKind.B):
-                    out.backward()
-                store.run_w(0, 0)
+        if isinstance(model.gemms, SplitGemmOps):
+            store = model.gemms.store
+            zero_grad_buffers(model.parameters())
+            out = loss()
+            with store.scope(0, 0, ActionKind.B):
+                out.backward()
+            store.run_w(0, 0)
         else:
             loss().backward()
     return census
@@ -170,10 +170,12 @@ def main() -> None:
     torch.manual_seed(opts.seed)
     args = load_config(opts.config).model
     model = DeepSeekV3(args).train()
+    split_model = DeepSeekV3(args, gemms=SplitGemmOps(WeightGradStore())).train()
+    split_model.load_state_dict(model.state_dict())
     ids = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1))
     print(f"config {opts.config}, batch {opts.batch} x seq {opts.seq}, forward+backward under autocast(bf16)")
-    for split in (False, True):
-        census = census_step(model, ids[:, :-1], ids[:, 1:], split=split)
+    for split, stepped in ((False, model), (True, split_model)):
+        census = census_step(stepped, ids[:, :-1], ids[:, 1:])
         print(f"{'split backward (B, W)' if split else 'autograd':22s} bf16 share of GEMM FLOPs: "
               f"{census.share():.1%} of {census.flops() / 1e9:.2f} GFLOP")
         for (module, kernel), flops in sorted(census.other_than().items()):

@@ -1,7 +1,7 @@
 """Peak memory of a process loading an HF folder: the whole model (pp 1) versus one stage of pp 2.
 
 Writes the HF folder of a model of about 0.9 GB (fp32; default shape below) once, then starts one
-fresh process per case. Each builds its part (the model, or the StageModel of stage s of 2) and
+fresh process per case. Each builds its part (the model, or the DeepSeekV3 parts of stage s of 2) and
 loads it through `moe_train.hf_checkpoint.load_hf_weights`; it reports its peak resident memory
 (VmHWM) above what it held after its imports, and the bytes of the tensors it owns. With
 per-rank reading that peak follows the shard, not the model.

@@ -69,7 +69,7 @@ def main() -> None:
         def step() -> None:
             model.zero_grad(set_to_none=True)
             with autocast(inputs.device, precision):
-                loss = model(inputs, labels).loss
+                loss = model(inputs, labels, aux_grad_scale=1.0).loss
             loss.backward()
         return step
 

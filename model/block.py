@@ -32,15 +32,16 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(args.hidden_size, args.ffn_hidden_size, args.init_method_std)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache | None = None,
-                exchange: PackedExchange | None = None) -> torch.Tensor:
+                exchange: PackedExchange | None = None, aux_grad_scale: float | None = None) -> torch.Tensor:
         """`cache`: decoding (see model.attention); `exchange`: the MoE block moves its tokens with it
-        (DeepEP's low-latency layout, see model.moe) instead of its dispatcher."""
+        (DeepEP's low-latency layout, see model.moe) instead of its dispatcher; `aux_grad_scale`: the
+        balance loss's gradient (see model.moe.MoE)."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, h, cos, sin, cache, exchange, use_reentrant=False)
-        return self._forward(h, cos, sin, cache, exchange)
+            return checkpoint(self._forward, h, cos, sin, cache, exchange, aux_grad_scale, use_reentrant=False)
+        return self._forward(h, cos, sin, cache, exchange, aux_grad_scale)
 
     def _forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache | None,
-                 exchange: PackedExchange | None) -> torch.Tensor:
+                 exchange: PackedExchange | None, aux_grad_scale: float | None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, exchange) if isinstance(self.mlp, MoE) else self.mlp(x))
+        return h + (self.mlp(x, exchange, aux_grad_scale) if isinstance(self.mlp, MoE) else self.mlp(x))

@@ -1,7 +1,8 @@
 """The weight-GEMM family (Linear, GroupedLinear), RMSNorm and the SwiGLU MLP.
 
-Every weight GEMM in the model goes through `GEMM_OPS`, so the pipeline runtime can swap in
-split-backward (B/W) implementations in one place without touching the modules.
+Every weight GEMM goes through its module's `gemms` (a `GemmOps`); the model hands all of its
+modules the one it was built with, so a pipeline builds its stages with split-backward (B/W)
+GEMMs (`parallel.pipeline.wgrad.SplitGemmOps`) without touching the modules.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class GemmOps:
-    """The two weight-GEMM entry points; the pipeline replaces this object's methods for B/W split."""
+    """The two weight-GEMM entry points, plain autograd; subclassed for the pipeline's B/W split."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -100,15 +101,13 @@ class GemmOps:
         return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
 
 
-GEMM_OPS = GemmOps()
-
-
 class Linear(nn.Module):
-    """Bias-free linear layer whose GEMM goes through `GEMM_OPS`."""
+    """Bias-free linear layer whose GEMM goes through `gemms` (the model sets its own)."""
 
     def __init__(self, in_features: int, out_features: int, init_std: float = 0.02) -> None:
         super().__init__()
         self.in_features, self.out_features, self.init_std = in_features, out_features, init_std
+        self.gemms = GemmOps()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.reset_parameters()
 
@@ -116,19 +115,21 @@ class Linear(nn.Module):
         nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GEMM_OPS.linear(x, self.weight)
+        return self.gemms.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
 
 
 class GroupedLinear(nn.Module):
-    """One weight [G, out, in] per group (expert); rows of the input arrive sorted by group."""
+    """One weight [G, out, in] per group (expert); rows of the input arrive sorted by group. Its
+    GEMM goes through `gemms` as `Linear`'s does."""
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, init_std: float = 0.02) -> None:
         super().__init__()
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.init_std = init_std
+        self.gemms = GemmOps()
         self.weight = nn.Parameter(torch.empty(num_groups, out_features, in_features))
         self.reset_parameters()
 
@@ -136,7 +137,7 @@ class GroupedLinear(nn.Module):
         nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return GEMM_OPS.grouped(x, self.weight, offsets)
+        return self.gemms.grouped(x, self.weight, offsets)
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.in_features}, out={self.out_features}"

@@ -1,9 +1,6 @@
 """DeepSeekMoE block: router, routed experts as grouped GEMMs, shared experts, dispatcher hook."""
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,31 +15,20 @@ class AuxLossGradient(torch.autograd.Function):
     """Identity on the activation that also sends d(aux)=scale into the aux loss in backward.
 
     The balance loss then needs no path to the final loss (it may live on another pipeline
-    stage); `scale` is the factor the main loss is multiplied by (1 / micro-batches).
+    stage); `scale` is the factor the main loss is multiplied by before its backward
+    (1 / micro-batches), given with the forward.
     """
 
-    scale: float = 1.0
-
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_x, torch.full_like(aux_loss, AuxLossGradient.scale)
-
-
-@contextlib.contextmanager
-def aux_loss_grad_scale(scale: float) -> Iterator[None]:
-    """Within the block, backward gives every balance loss the gradient `scale` (the factor the
-    main loss is multiplied by, 1 / micro-batches); the previous scale is restored after."""
-    previous, AuxLossGradient.scale = AuxLossGradient.scale, scale
-    try:
-        yield
-    finally:
-        AuxLossGradient.scale = previous
+        return grad_x, torch.full_like(aux_loss, ctx.scale), None
 
 
 class RoutedExperts(nn.Module):
@@ -99,8 +85,16 @@ class MoE(nn.Module):
                                          args.init_method_std)
         self.last_aux_loss = torch.zeros(())  # value of the latest forward's balance loss, for logs
 
-    def forward(self, x: torch.Tensor, exchange: PackedExchange | None = None) -> torch.Tensor:
-        """`exchange` (decoding): move the tokens with it in DeepEP's low-latency layout instead of the dispatcher."""
+    def forward(self, x: torch.Tensor, exchange: PackedExchange | None = None,
+                aux_grad_scale: float | None = None) -> torch.Tensor:
+        """`exchange` (decoding): move the tokens with it in DeepEP's low-latency layout instead of the dispatcher.
+        `aux_grad_scale`: the factor the loss is multiplied by before backward, which the balance loss
+        gets as its gradient; a training forward with a balance loss needs it."""
+        balance = self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled()
+        if balance and aux_grad_scale is None:
+            raise ValueError("a training forward with a balance loss (moe_aux_loss_coeff > 0) needs "
+                             "aux_grad_scale: the factor the loss is multiplied by before backward "
+                             "(1.0 for loss.backward(), 1 / micro-batches when they are averaged)")
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         routing = self.gate(flat)
@@ -116,8 +110,8 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         out = out.view(batch, seq, dim)
         self.last_aux_loss = torch.zeros((), device=x.device)
-        if self.training and self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+        if balance:
             aux = sequence_balance_loss(routing.scores, routing.topk_idx, batch, self.aux_loss_coeff)
             self.last_aux_loss = aux.detach()
-            out = AuxLossGradient.apply(out, aux)
+            out = AuxLossGradient.apply(out, aux, aux_grad_scale)
         return out

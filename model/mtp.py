@@ -28,10 +28,10 @@ class MTPLayer(nn.Module):
         self.final_norm = RMSNorm(d, args.norm_epsilon)
 
     def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, aux_grad_scale: float | None = None) -> torch.Tensor:
         """Returns h^k (pre-norm); logits are head(final_norm(h^k))."""
         merged = torch.cat((self.enorm(next_embedding), self.hnorm(hidden)), dim=-1)
-        return self.block(self.eh_proj(merged), cos, sin)
+        return self.block(self.eh_proj(merged), cos, sin, aux_grad_scale=aux_grad_scale)
 
 
 def shift_left(x: torch.Tensor, k: int, fill: int) -> torch.Tensor:

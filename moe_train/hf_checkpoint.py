@@ -94,7 +94,7 @@ def check_model_section(ours: ModelArgs, path: Path) -> None:
 
 
 def load_hf_weights(path: Path, model: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
-    """Fill `model` (a DeepSeekV3 or a pipeline StageModel, possibly expert-sharded) from an HF folder in
+    """Fill `model` (a DeepSeekV3, whole or built for pipeline stages, possibly expert-sharded) from an HF folder in
     place; each rank reads only its tensors. Missing, mis-shaped and unknown tensors are all listed
     (CheckpointError) before any tensor is overwritten."""
     wanted = hf_items(model_state(model), model.args, mtp_copies=False)

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from model.args import ModelArgs
+from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
-from parallel.pipeline.stage import StageModel, StageSpec
 
 
 @dataclass(frozen=True)
@@ -193,12 +193,11 @@ def build_stages(args: ModelArgs, num_stages: int) -> list[Stage]:
 
 def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> tuple[list[int], list[int]]:
     """Sizes of the dense and the routed-expert parameter tensors (one EP rank's share) of a pipeline
-    rank holding `stages`, in the order of the trainer's model (its `StageModel`, built on the meta
+    rank holding `stages`, in the order of the trainer's model (built for those parts on the meta
     device), which is the order ZeRO-1 deals them out in."""
-    specs = [StageSpec(tuple(s.layers), embedding=s.embedding, mtp=args.mtp_num_layers if s.head else 0, loss=s.head)
-             for s in stages]
+    parts = [ModelPart(tuple(s.layers), embedding=s.embedding, head=s.head) for s in stages]
     with torch.device("meta"):
-        model = StageModel(args, specs)
+        model = DeepSeekV3(args, parts=parts)
     dense, expert = [], []
     for name, param in model.named_parameters():
         if is_expert_parameter(name):

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from model.flops import training_flops_per_token
 from model.init import initialize_parameters
-from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, is_hf_folder, iteration_dir, latest_iteration, load_checkpoint,
                                   resolve_resume, save_checkpoint)
@@ -275,9 +274,8 @@ class Trainer:
         for rows in micro_batches:
             rows = rows.to(self.device, non_blocking=True)
             with autocast(self.device, self.cfg.train.precision):
-                out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale)
-            with aux_loss_grad_scale(scale):
-                (out.loss * scale).backward()
+                out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
+            (out.loss * scale).backward()
             sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
         reduced = self.grads.sum_over_dp(self.stop.with_vote(sums))  # pp 1: dp spans every rank
@@ -289,10 +287,8 @@ class Trainer:
         """The same through the pipeline runtime; loss parts come from the stages that compute them."""
         assert self.pipeline is not None and self.topology is not None
         scale = 1.0 / len(micro_batches)
-        self.pipeline.model.mtp_loss_scale = mtp_scale
         batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
-        with aux_loss_grad_scale(scale):
-            sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads))
+        sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads, mtp_loss_scale=mtp_scale))
         if self.zb_meter is not None:
             self._measure_zb_costs(self.zb_meter)
         dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica, each rank's vote

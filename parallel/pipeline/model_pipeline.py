@@ -1,6 +1,6 @@
 """The DeepSeek-V3 model run through a pipeline schedule on one rank: what the trainer drives.
 
-Builds the validated plan, cuts the model into stages, keeps this rank's `StageModel`, the W store,
+Builds the validated plan, cuts the model into stages, keeps this rank's model (its stages' parts), the W store,
 the runtime and the replica sums together, and runs one step's micro-batches. Given the trainer's
 `GradientSync`, a step also starts the data-parallel reduction of each parameter as soon as its
 gradient is final (`grad_ready`); parameters another pipeline rank also holds (tied embedding,
@@ -25,9 +25,9 @@ from .overlap import FBOverlap
 from .plan import plan
 from .replicas import PipelineReplicas
 from .runtime import PipelineRuntime
-from .stage import StageSpec, build_stages, stage_specs
+from .stage import MicroBatch, StageSpec, build_stages, stage_specs
 from .timeline import Costs
-from .wgrad import WeightGradStore, split_backward, zero_grad_buffers
+from .wgrad import WeightGradStore, zero_grad_buffers
 
 
 def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, virtual_stages: Optional[int] = None,
@@ -56,14 +56,15 @@ class ModelPipeline:
                  overlap: bool = True) -> None:
         self.topology, self.lowered = topology, lowered
         placement = lowered.schedule.placement
-        self.model, self.stages = build_stages(args, specs, placement.stages_on(topology.pp_rank), dispatcher)
+        self.store = WeightGradStore()
+        self.model, self.stages = build_stages(args, specs, placement.stages_on(topology.pp_rank), self.store,
+                                               dispatcher)
         for stage in self.stages.values():
             stage.forward_context = forward_context
         pipelines = group_ranks(topology.world_size, topology.pp, topology.ep, topology.gpus_per_node).pp
         self.replicas = PipelineReplicas(self.model, placement, topology.pp_rank, pipelines,
                                          tied_embedding=args.mtp_num_layers > 0, timeout_s=timeout_s,
                                          ep=topology.ep)
-        self.store = WeightGradStore()
         self.shape = (micro_batch_size, seq_length, args.hidden_size)
         self.runtime: Optional[PipelineRuntime] = None
         self.overlap = overlap
@@ -112,10 +113,11 @@ class ModelPipeline:
             self._sync.launch([param], self.replicas.dense_group, self.replicas.expert_group)
 
     def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-             sync: Optional[GradientSync] = None) -> torch.Tensor:
-        """Forward and backward of every micro-batch, replicated gradients summed; with `sync`,
-        gradients also reduced over data parallelism (complete on return), replicated ones summed
-        and reduced by one collective.
+             sync: Optional[GradientSync] = None, mtp_loss_scale: Optional[float] = None) -> torch.Tensor:
+        """Forward and backward of every micro-batch (its loss times `loss_scale`), replicated gradients
+        summed; with `sync`, gradients also reduced over data parallelism (complete on return),
+        replicated ones summed and reduced by one collective. `mtp_loss_scale` None: the model's
+        mtp_loss_scaling_factor.
 
         Returns this rank's sum over micro-batches of [lm_loss, mtp_loss, aux_loss] x loss_scale
         (lm and mtp from the loss stage, aux from this rank's MoE layers), float64 on the model's device.
@@ -125,9 +127,8 @@ class ModelPipeline:
         self.replicas.start()
         self._sync = sync
         try:
-            with split_backward(self.store):
-                zero_grad_buffers(self.model.parameters())
-                runtime.step(batches, loss_scale)
+            zero_grad_buffers(self.model.parameters())
+            runtime.step([MicroBatch(ids, labels, loss_scale, mtp_loss_scale) for ids, labels in batches], loss_scale)
             self.readiness.assert_done()
             if sync is None:
                 self.replicas.reduce_gradients()
@@ -147,7 +148,7 @@ class ModelPipeline:
         """Forward-only pass (no W store, no backward): this rank's sum of the lm losses of the
         first `counted` of `batches` (zero unless it holds the loss stage), float64 on the model's device."""
         with torch.no_grad():
-            self._runtime().forward_only(batches)
+            self._runtime().forward_only([MicroBatch(ids, labels) for ids, labels in batches])
         total = torch.zeros((), dtype=torch.float64, device=next(self.model.parameters()).device)
         for stage in self.stages.values():
             for microbatch, parts in stage.pop_parts().items():

@@ -6,10 +6,10 @@ final norm, head, MTP and loss. The split comes from Megatron's layout string (`
 `x*n` repeat, `,` and spaces ignored; e.g. `Et|(tt|)*30mL`) or from first/last-stage layer
 counts with the remaining layers spread evenly.
 
-One `StageModel` per rank holds the parameters of all stages on that rank under their global
-names (`layers.2.*` stays `layers.2.*`), so initialisation, checkpoints and the gradient
-reduction see the same keys as the single-process model. Stages of one rank share its modules:
-with a V placement (zbv, dualpipev) the embedding and the MTP of the last stage are one tensor.
+Each rank builds one `model.transformer.DeepSeekV3` holding the parts of all its stages, under
+the single-process names, with the GEMMs split for the rank's W store; a `ModelStage` runs the
+model's forward for its part and keeps the per-micro-batch loss record. Stages of one rank share its
+modules: with a V placement (zbv, dualpipev) the embedding and the MTP of the last stage are one tensor.
 
 Tied embedding: MTP depth k embeds token i+k, so the last stage needs the embedding. Where the
 last stage sits on another rank than the first, that rank keeps a replica, initialised
@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from model.args import ModelArgs
-from model.block import DecoderLayer
 from model.dispatcher import Dispatcher
-from model.layers import Linear, RMSNorm
-from model.moe import MoE
-from model.mtp import MTPLayer
-from model.rope import RotaryEmbedding
-from model.router import Router
-from model.transformer import mtp_loss, token_cross_entropy
+from model.transformer import DeepSeekV3, ModelPart
+
+from .wgrad import SplitGemmOps, WeightGradStore
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -46,6 +43,11 @@ class StageSpec:
 
     def __str__(self) -> str:
         return ("E" if self.embedding else "") + "t" * len(self.layers) + "m" * self.mtp + ("L" if self.loss else "")
+
+    @property
+    def part(self) -> ModelPart:
+        """The stage as a part of the model (its MTP depths are the model's, all on the loss stage)."""
+        return ModelPart(self.layers, embedding=self.embedding, head=self.loss)
 
 
 def expand_layout(layout: str) -> str:
@@ -138,46 +140,28 @@ def stage_specs(args: ModelArgs, num_stages: int, layout: Optional[str] = None, 
     return even_stages(args, num_stages, first, last)
 
 
-class StageModel(nn.Module):
-    """The parameters of the stages one rank runs, named as in `model.transformer.DeepSeekV3`."""
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the stages take it: the tokens, their targets, and the factors of its loss."""
 
-    def __init__(self, args: ModelArgs, specs: Sequence[StageSpec], dispatcher: Dispatcher | None = None) -> None:
-        super().__init__()
-        self.args = args
-        self.mtp_loss_scale = args.mtp_loss_scaling_factor
-        has_loss = any(spec.loss for spec in specs)
-        if any(spec.embedding for spec in specs) or (has_loss and args.mtp_num_layers):
-            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, moe=args.is_moe_layer(i), dispatcher=dispatcher)
-                                     for spec in specs for i in spec.layers})
-        if has_loss:
-            self.norm = RMSNorm(args.hidden_size, args.norm_epsilon)
-            self.lm_head = Linear(args.hidden_size, args.vocab_size, args.init_method_std)
-            self.mtp = nn.ModuleList(MTPLayer(args, dispatcher) for _ in range(args.mtp_num_layers))
-        self.rotary = RotaryEmbedding(args)
-
-    def moe_blocks(self) -> list[MoE]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def routers(self) -> list[Router]:
-        return [m.gate for m in self.moe_blocks()]
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_scale: Optional[float] = None  # what backward multiplies the loss by (a training forward needs it)
+    mtp_loss_scale: Optional[float] = None  # None: the model's mtp_loss_scaling_factor
 
 
 class ModelStage:
-    """One stage's forward for the runtime; it records the loss parts of every micro-batch.
+    """One stage for the runtime: the model's forward of the stage's part, and the loss parts of
+    every micro-batch.
 
-    `inputs` of a micro-batch is `(input_ids, labels)`. A stage that is not the last returns its
-    hidden state; the last returns `lm_loss + mtp_loss_scale * mtp_loss` (balance losses reach
-    their gradients through `AuxLossGradient`, so they need no path to this loss).
+    `inputs` of a micro-batch is a `MicroBatch`. A stage that is not the last returns its hidden
+    state; the last returns `lm_loss + mtp_loss_scale * mtp_loss` (balance losses reach their
+    gradients through `model.moe.AuxLossGradient`, so they need no path to this loss).
     """
 
-    def __init__(self, model: StageModel, spec: StageSpec) -> None:
-        self.model, self.spec = model, spec
-        self.layers = [model.layers[str(i)] for i in spec.layers]
-        self.moe = [m for layer in self.layers for m in layer.modules() if isinstance(m, MoE)]
-        if spec.loss:
-            self.moe += [m for m in model.mtp.modules() if isinstance(m, MoE)]
-        self.parts: dict[int, torch.Tensor] = {}
+    def __init__(self, model: DeepSeekV3, spec: StageSpec) -> None:
+        self.model, self.spec, self.part = model, spec, spec.part
+        self.parts: dict[int, torch.Tensor] = {}  # micro-batch -> [lm, mtp, aux], until popped
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
@@ -189,43 +173,20 @@ class ModelStage:
         return self.spec.loss
 
     def modules(self) -> list[nn.Module]:
-        """The modules this stage's forward runs; the MTP of the last stage uses the embedding too."""
-        model, modules = self.model, list(self.layers)
-        if self.is_first:
-            modules.append(model.embed_tokens)
-        if self.is_last:
-            modules += [model.norm, model.lm_head, model.mtp]
-            if len(model.mtp):
-                modules.append(model.embed_tokens)
-        return modules
+        """The modules this stage's forward runs."""
+        return self.model.part_modules(self.part)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules() for p in module.parameters()]
 
-    def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor:
-        input_ids, labels = inputs
-        model = self.model
+    def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: MicroBatch) -> torch.Tensor:
         with self.forward_context():
-            cos, sin = model.rotary(input_ids.shape[1], input_ids.device)
-            hidden = model.embed_tokens(input_ids) if self.is_first else x
-            for layer in self.layers:
-                hidden = layer(hidden, cos, sin)
-            if not self.is_last:
-                self._record(microbatch, hidden)
-                return hidden
-            lm_loss = token_cross_entropy(model.lm_head(model.norm(hidden)), labels)
-            embed = model.embed_tokens if len(model.mtp) else None  # kept on the last stage only for the MTP
-            mtp = mtp_loss(model.mtp, embed, model.lm_head, hidden, input_ids, labels, cos, sin)
-            self._record(microbatch, hidden, lm_loss, mtp)
-            return lm_loss + model.mtp_loss_scale * mtp
-
-    def _record(self, microbatch: int, hidden: torch.Tensor, lm_loss: Optional[torch.Tensor] = None,
-                mtp: Optional[torch.Tensor] = None) -> None:
-        zero = hidden.new_zeros((), dtype=torch.float64)
-        aux = sum((m.last_aux_loss.double() for m in self.moe), zero)
-        lm = zero if lm_loss is None else lm_loss.detach().double()
-        mtp = zero if mtp is None else mtp.detach().double()
-        self.parts[microbatch] = torch.stack([lm, mtp, aux])
+            out = self.model(inputs.input_ids, inputs.labels, hidden=x, part=self.part,
+                             mtp_loss_scale=inputs.mtp_loss_scale, aux_grad_scale=inputs.loss_scale)
+        zero = out.aux_loss.new_zeros((), dtype=torch.float64)
+        lm, mtp = (out.lm_loss.double(), out.mtp_loss.double()) if self.is_last else (zero, zero)
+        self.parts[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])
+        return out.prediction_loss if self.is_last else out.hidden
 
     def pop_parts(self) -> dict[int, torch.Tensor]:
         """Per micro-batch [lm_loss, mtp_loss, aux_loss] (zeros where this stage has no such part)."""
@@ -233,9 +194,10 @@ class ModelStage:
         return parts
 
 
-def build_stages(args: ModelArgs, specs: Sequence[StageSpec], stage_ids: Iterable[int],
-                 dispatcher: Dispatcher | None = None) -> tuple[StageModel, dict[int, ModelStage]]:
-    """This rank's `StageModel` and a `ModelStage` for each of its stage ids."""
+def build_stages(args: ModelArgs, specs: Sequence[StageSpec], stage_ids: Iterable[int], store: WeightGradStore,
+                 dispatcher: Dispatcher | None = None) -> tuple[DeepSeekV3, dict[int, ModelStage]]:
+    """This rank's model (the parts of its stages, weight GEMMs split for `store`) and a `ModelStage`
+    for each of its stage ids."""
     stage_ids = sorted(stage_ids)
-    model = StageModel(args, [specs[s] for s in stage_ids], dispatcher)
+    model = DeepSeekV3(args, dispatcher, SplitGemmOps(store), [specs[s].part for s in stage_ids])
     return model, {s: ModelStage(model, specs[s]) for s in stage_ids}

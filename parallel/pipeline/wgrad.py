@@ -1,23 +1,22 @@
 """Split backward: B computes input gradients now, W computes weight gradients later.
 
 Every weight GEMM of the model (MLA projections, dense and shared SwiGLU, routed experts, LM head,
-MTP eh_proj) goes through `model.layers.GEMM_OPS`. Inside `split_backward(store)` those calls use
-the autograd Functions below, whose backward returns only the input gradient and hands the
-weight-gradient GEMM to `store` as a closure. Whether the closure is queued (B) or run at once
-(BW) is decided when the backward runs, by the store's `scope(stage, microbatch, mode)`, so one
-forward serves both kinds of schedule. Norms, embeddings, the router and the MoE balance-loss
+MTP eh_proj) goes through the `GemmOps` the model was built with. A pipeline builds its model with
+`SplitGemmOps(store)`, whose autograd Functions below return only the input gradient in backward
+and hand the weight-gradient GEMM to `store` as a closure. Whether the closure is queued (B) or run
+at once (BW, or a backward outside any scope) is decided when the backward runs, by the store's
+`scope(stage, microbatch, mode)`, so one forward serves both kinds of schedule. Norms, embeddings, the router and the MoE balance-loss
 injection (`model.moe.AuxLossGradient`) stay in ordinary autograd: their gradients are produced
 during B.
 
-A runtime step, for actions keyed by (stage, microbatch)::
+A runtime step, for actions keyed by (stage, microbatch), on `DeepSeekV3(..., SplitGemmOps(store))`::
 
-    with split_backward(store):
-        zero_grad_buffers(model.parameters())           # once per optimizer step
-        F:  out = stage_forward(...)
-        B:  with store.scope(stage, mb, ActionKind.B):  torch.autograd.backward(out, grad)
-        W:  store.run_w(stage, mb)
-        BW: with store.scope(stage, mb, ActionKind.BW): torch.autograd.backward(out, grad)
-        store.assert_empty()                            # then the optimizer step
+    zero_grad_buffers(model.parameters())           # once per optimizer step
+    F:  out = stage_forward(...)
+    B:  with store.scope(stage, mb, ActionKind.B):  torch.autograd.backward(out, grad)
+    W:  store.run_w(stage, mb)
+    BW: with store.scope(stage, mb, ActionKind.BW): torch.autograd.backward(out, grad)
+    store.assert_empty()                            # then the optimizer step
 
 Gradient buffers: the weight gradient accumulates into the parameter's own `.grad`. Parameters
 are fp32 master weights (bf16 runs use autocast), so `.grad` already is the fp32 accumulation
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.layers import GEMM_OPS, GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
+from model.layers import GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
 
 WeightGradWork = Callable[[], None]
@@ -204,19 +203,3 @@ class SplitGemmOps(GemmOps):
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return SplitGroupedLinearFunction.apply(x, weight, offsets, self.store)
 
-
-@contextlib.contextmanager
-def split_backward(store: WeightGradStore, ops: GemmOps = GEMM_OPS) -> Iterator[SplitGemmOps]:
-    """Route the model's weight GEMMs through `store` while the block runs (forwards included).
-
-    The split methods shadow `ops`' own as instance attributes; leaving the block deletes them,
-    which restores the default GEMMs even when the block raised.
-    """
-    if {"linear", "grouped"} & vars(ops).keys():
-        raise RuntimeError("split backward is already installed on this GemmOps")
-    split = SplitGemmOps(store)
-    ops.linear, ops.grouped = split.linear, split.grouped
-    try:
-        yield split
-    finally:
-        del ops.linear, ops.grouped

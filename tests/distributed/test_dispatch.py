@@ -238,13 +238,13 @@ def check_moe_block(seed: int, ep: int, per_node: int) -> None:
         reference.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
         x, grad_out = moe_batch(seed, rank)
         x_ref = x.clone().requires_grad_()
-        out_ref = reference(x_ref)
+        out_ref = reference(x_ref, aux_grad_scale=1.0)
         (out_ref * grad_out).sum().backward()
         own_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if not n.startswith("experts.")}
         for source in topology.ranks("ep"):
             if source != rank:
                 other_x, other_grad = moe_batch(seed, source)
-                (reference(other_x) * other_grad).sum().backward()
+                (reference(other_x, aux_grad_scale=1.0) * other_grad).sum().backward()
         for name in BACKENDS:
             dispatcher = make_dispatcher(name, topology, args.num_moe_experts)
             local = dispatcher.local_experts(args.num_moe_experts)
@@ -252,7 +252,7 @@ def check_moe_block(seed: int, ep: int, per_node: int) -> None:
             moe.load_state_dict({k: v[local.start:local.stop] if k.startswith("experts.") else v
                                  for k, v in reference.state_dict().items()})
             x_dist = x.clone().requires_grad_()
-            out = moe(x_dist)
+            out = moe(x_dist, aux_grad_scale=1.0)
             (out * grad_out).sum().backward()
             assert torch.allclose(out, out_ref, rtol=1e-5, atol=1e-6), f"{name}: output"
             assert torch.allclose(x_dist.grad, x_ref.grad, rtol=1e-5, atol=1e-6), f"{name}: grad x"

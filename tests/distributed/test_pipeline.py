@@ -11,13 +11,12 @@ import torch
 
 from model.args import ModelArgs
 from model.init import initialize_parameters
-from model.moe import aux_loss_grad_scale
 from model.transformer import DeepSeekV3
 from parallel.pipeline import plan
 from parallel.pipeline.replicas import PipelineReplicas
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.stage import build_stages, stage_specs
-from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
+from parallel.pipeline.stage import MicroBatch, build_stages, stage_specs
+from parallel.pipeline.wgrad import WeightGradStore, zero_grad_buffers
 
 SEED, BATCH, SEQ, LR = 7, 1, 8, 0.05
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=4e-5)}
@@ -33,7 +32,7 @@ def reference_step(model: DeepSeekV3, batches, scale: float) -> list[torch.Tenso
     model.zero_grad(set_to_none=True)
     losses = []
     for ids, labels in batches:
-        out = model(ids, labels)
+        out = model(ids, labels, aux_grad_scale=scale)
         (out.loss * scale).backward()
         losses.append((out.lm_loss + model.args.mtp_loss_scaling_factor * out.mtp_loss).detach())
     return losses
@@ -48,13 +47,13 @@ def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages,
     lowered = plan(schedule, ranks, microbatches, virtual_stages)
     placement = lowered.schedule.placement
     specs = stage_specs(args, placement.num_stages, layout)
-    model, stages = build_stages(args, specs, placement.stages_on(rank))
+    store = WeightGradStore()
+    model, stages = build_stages(args, specs, placement.stages_on(rank), store)
     reference = DeepSeekV3(args)
     for m in (model, reference):
         initialize_parameters(m, SEED, args.init_method_std)
         m.to(dtype)
     replicas = PipelineReplicas(model, placement, rank, [list(range(ranks))], tied_embedding=True, timeout_s=60)
-    store = WeightGradStore()
     runtime = PipelineRuntime(lowered, rank, stages, store, ((BATCH, SEQ, args.hidden_size), dtype, torch.device("cpu")))
     optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=LR) for m in (model, reference))
     ref_params = dict(reference.named_parameters())
@@ -62,26 +61,24 @@ def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages,
     scale = 1.0 / microbatches
     checked = {"losses": 0, "params": 0}
     try:
-        with aux_loss_grad_scale(scale):
-            for step in range(2):
-                batches = micro_batches(args, microbatches, input_seed + step)
-                with split_backward(store):
-                    zero_grad_buffers(model.parameters())
-                    losses = runtime.step(batches, loss_scale=scale)
-                replicas.reduce_gradients()
-                expected = reference_step(reference, batches, scale)
-                assert store.is_empty() and not runtime.pending_p2p
-                for mb, loss in losses.items():
-                    torch.testing.assert_close(loss, expected[mb].to(loss.dtype), **tol, msg=f"loss of micro-batch {mb}")
-                checked["losses"] += len(losses)
-                for name, param in model.named_parameters():
-                    torch.testing.assert_close(param.grad, ref_params[name].grad, **tol,
-                                               msg=lambda m, n=name: f"step {step} grad {n}: {m}")
-                optimizer.step()
-                ref_optimizer.step()
-                for name, param in model.named_parameters():
-                    torch.testing.assert_close(param, ref_params[name], **tol, msg=lambda m, n=name: f"param {n}: {m}")
-                checked["params"] = len(list(model.parameters()))
+        for step in range(2):
+            batches = micro_batches(args, microbatches, input_seed + step)
+            zero_grad_buffers(model.parameters())
+            losses = runtime.step([MicroBatch(ids, labels, scale) for ids, labels in batches], loss_scale=scale)
+            replicas.reduce_gradients()
+            expected = reference_step(reference, batches, scale)
+            assert store.is_empty() and not runtime.pending_p2p
+            for mb, loss in losses.items():
+                torch.testing.assert_close(loss, expected[mb].to(loss.dtype), **tol, msg=f"loss of micro-batch {mb}")
+            checked["losses"] += len(losses)
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad, ref_params[name].grad, **tol,
+                                           msg=lambda m, n=name: f"step {step} grad {n}: {m}")
+            optimizer.step()
+            ref_optimizer.step()
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param, ref_params[name], **tol, msg=lambda m, n=name: f"param {n}: {m}")
+            checked["params"] = len(list(model.parameters()))
         return {**checked, "peak_live": runtime.peak_live, "stages": sorted(stages)}
     finally:
         replicas.destroy()

@@ -17,7 +17,6 @@ starts during the step, validation through the pipeline, and bf16.
 import pytest
 import torch
 
-from model.moe import aux_loss_grad_scale
 from moe_train.train import Trainer, read_metrics
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -52,12 +51,10 @@ def overlapped_vs_end_of_step(ep: int, schedule: str, cache_dir: str, run_dir: s
         launches = []
         launch = sync.launch
         sync.launch = lambda params, *groups: launches.append([names[id(p)] for p in params]) or launch(params, *groups)
-        with aux_loss_grad_scale(scale):
-            pipeline.step(batches, scale, sync=sync)
+        pipeline.step(batches, scale, sync=sync)
         del sync.launch
         grads = {True: {name: p.grad.clone() for name, p in trainer.model.named_parameters()}}
-        with aux_loss_grad_scale(scale):
-            pipeline.step(batches, scale)
+        pipeline.step(batches, scale)
         sync.reduce()
         grads[False] = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
         replicated = [names[id(p)] for p in pipeline.replicas.params]

@@ -21,7 +21,7 @@ def build(seed: int) -> tuple[DeepSeekV3, torch.optim.AdamW]:
     model = DeepSeekV3(ModelArgs())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, model.args.vocab_size, (2, 9))
-    model(ids[:, :-1], ids[:, 1:]).loss.backward()
+    model(ids[:, :-1], ids[:, 1:], aux_grad_scale=1.0).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return model, optimizer

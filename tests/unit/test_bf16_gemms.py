@@ -20,7 +20,7 @@ from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 from moe_train.runtime import autocast
 from parallel.pipeline.ir import ActionKind
-from parallel.pipeline.wgrad import WeightGradStore, split_backward
+from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
 # The demo model (16 experts, top-4, 6 MoE blocks with MTP's) on its training micro-batch, 4 x 256.
 DEMO_CONFIG = load_config("moe_train/configs/demo.yaml")
@@ -44,6 +44,14 @@ def demo_model():
     return DeepSeekV3(DEMO).train()
 
 
+@pytest.fixture(scope="module")
+def split_demo_model(demo_model):
+    """demo_model's weights, its GEMMs split (B, then W) as a pipeline builds them."""
+    model = DeepSeekV3(DEMO, gemms=SplitGemmOps(WeightGradStore())).train()
+    model.load_state_dict(demo_model.state_dict())
+    return model
+
+
 def test_census_counts_every_gemm_flop_of_a_step(demo_model):
     """fp32 step: the census' FLOPs equal model/flops.py's training FLOPs (full attention) plus what
     the kernels add, minus the norms that flops.py counts as parameters: exactly."""
@@ -61,8 +69,9 @@ def test_census_counts_every_gemm_flop_of_a_step(demo_model):
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["autograd", "split-B-W"])
-def test_bf16_step_runs_its_weight_gemms_in_bf16(demo_model, split):
-    census = census_step(demo_model, *draw_ids(2, DEMO.vocab_size), precision="bf16", split=split)
+def test_bf16_step_runs_its_weight_gemms_in_bf16(request, split):
+    demo_model = request.getfixturevalue("split_demo_model" if split else "demo_model")
+    census = census_step(demo_model, *draw_ids(2, DEMO.vocab_size), precision="bf16")
     routers = {name for name, m in demo_model.named_modules() if isinstance(m, Router)}
     fp32_outside_routers = {key: flops for key, flops in census.other_than(torch.bfloat16).items()
                             if key[0] not in routers}
@@ -103,7 +112,7 @@ def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(demo_model):
     ids, labels = draw_ids(3, DEMO.vocab_size, batch=1)
     with InputDtypes({aten.rsqrt, aten._log_softmax, aten.nll_loss_forward, aten.sigmoid}) as mode:
         with autocast(ids.device, "bf16"):
-            out = demo_model(ids, labels)
+            out = demo_model(ids, labels, aux_grad_scale=1.0)
         out.loss.backward()
     # RMSNorm's 1/rms, the cross-entropies (head and MTP) and the router's sigmoid scores.
     assert mode.seen == {"rsqrt": {torch.float32}, "_log_softmax": {torch.float32},
@@ -120,13 +129,13 @@ def grouped_forward_backward(layer: GroupedLinear, x: torch.Tensor, offsets: tor
         y.backward(grad_out)
         return y
     store = WeightGradStore()
-    with split_backward(store):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(x, offsets)
-        with store.scope(0, 0, ActionKind.B):
-            y.backward(grad_out)
-        assert layer.weight.grad is None
-        store.run_w(0, 0)
+    layer.gemms = SplitGemmOps(store)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x, offsets)
+    with store.scope(0, 0, ActionKind.B):
+        y.backward(grad_out)
+    assert layer.weight.grad is None
+    store.run_w(0, 0)
     return y
 
 

@@ -59,7 +59,7 @@ def train(model: DeepSeekV3, optimizer: torch.optim.Optimizer, steps: int, seed:
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, model.args.vocab_size, (2, 17), generator=gen)
-        loss = model(ids[:, :-1], ids[:, 1:]).loss
+        loss = model(ids[:, :-1], ids[:, 1:], aux_grad_scale=1.0).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

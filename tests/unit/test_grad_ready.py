@@ -10,14 +10,13 @@ import torch
 
 from model.args import ModelArgs
 from model.init import initialize_parameters
-from model.moe import aux_loss_grad_scale
 from parallel.pipeline import plan
 from parallel.pipeline.grad_ready import GradientReadiness, release_positions, split_weights
 from parallel.pipeline.ir import Action
 from parallel.pipeline.replicas import release_order
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.stage import build_stages, stage_specs
-from parallel.pipeline.wgrad import WeightGradStore, split_backward, zero_grad_buffers
+from parallel.pipeline.stage import MicroBatch, build_stages, stage_specs
+from parallel.pipeline.wgrad import WeightGradStore, zero_grad_buffers
 
 ARGS = ModelArgs()
 MICROBATCHES, BATCH, SEQ = 3, 1, 8
@@ -27,7 +26,8 @@ MICROBATCHES, BATCH, SEQ = 3, 1, 8
 def test_parameters_are_released_with_their_final_gradient(schedule):
     lowered = plan(schedule, 1, MICROBATCHES)
     placement = lowered.schedule.placement
-    model, stages = build_stages(ARGS, stage_specs(ARGS, placement.num_stages), placement.stages_on(0))
+    store = WeightGradStore()
+    model, stages = build_stages(ARGS, stage_specs(ARGS, placement.num_stages), placement.stages_on(0), store)
     initialize_parameters(model, 1, ARGS.init_method_std)
     readiness = GradientReadiness(lowered.programs[0], {s: stage.parameters() for s, stage in stages.items()},
                                   split_weights([model]))
@@ -40,14 +40,12 @@ def test_parameters_are_released_with_their_final_gradient(schedule):
             assert id(param) not in released
             released[id(param)] = (len(actions), param.grad.clone())
 
-    store = WeightGradStore()
     runtime = PipelineRuntime(lowered, 0, stages, store, ((BATCH, SEQ, ARGS.hidden_size), torch.float32,
                                                           torch.device("cpu")), after_compute=after)
     rows = torch.randint(0, ARGS.vocab_size, (MICROBATCHES, BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
     readiness.start()
-    with aux_loss_grad_scale(1 / MICROBATCHES), split_backward(store):
-        zero_grad_buffers(model.parameters())
-        runtime.step([(r[:, :-1], r[:, 1:]) for r in rows], loss_scale=1 / MICROBATCHES)
+    zero_grad_buffers(model.parameters())
+    runtime.step([MicroBatch(r[:, :-1], r[:, 1:], 1 / MICROBATCHES) for r in rows], loss_scale=1 / MICROBATCHES)
     readiness.assert_done()
     params = dict(model.named_parameters())
     assert set(released) == {id(p) for p in params.values()}
@@ -76,7 +74,7 @@ def test_dualpipe_release_order_waits_for_no_parameter(pp):
     placement = lowered.schedule.placement
     specs = stage_specs(ARGS, placement.num_stages)
     for rank in range(pp // 2):
-        model, stages = build_stages(ARGS, specs, placement.stages_on(rank))
+        model, stages = build_stages(ARGS, specs, placement.stages_on(rank), WeightGradStore())
         stage_params = {s: stage.parameters() for s, stage in stages.items()}
         positions = [release_positions(lowered.programs[r], stage_params, split_weights([model]))
                      for r in (rank, pp - 1 - rank)]

@@ -115,7 +115,7 @@ def test_fp8_block_scaled_weights_are_dequantized(tmp_path):
     save_file(tensors, str(file))
     ours = load_hf_checkpoint(tmp_path)
     expected = fp8.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    assert torch.equal(ours.layers[0].mlp.down_proj.weight.data, expected)
+    assert torch.equal(ours.layers["0"].mlp.down_proj.weight.data, expected)
 
 
 def test_cli_import_then_export(tmp_path, capsys):

@@ -79,7 +79,7 @@ def test_forward_backward_reaches_every_parameter_and_bias_is_a_buffer():
     torch.manual_seed(0)
     model = DeepSeekV3(TINY).train()
     inputs, labels = batch(TINY)
-    out = model(inputs, labels)
+    out = model(inputs, labels, aux_grad_scale=1.0)
     assert out.logits.shape == (2, 16, TINY.vocab_size)
     assert torch.isfinite(out.loss)
     assert out.loss.item() == pytest.approx(
@@ -96,13 +96,11 @@ def test_mtp_loss_alignment_matches_manual_computation():
     torch.manual_seed(1)
     model = DeepSeekV3(TINY).eval()
     inputs, labels = batch(TINY, seed=3)
-    captured = {}
-    model.layers[-1].register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
     out = model(inputs, labels)
     cos, sin = model.rotary(inputs.shape[1])
     # depth 1 at position i sees token i+1 and must predict token i+2 = labels[i+1]
     next_tokens = torch.cat([inputs[:, 1:], torch.zeros_like(inputs[:, :1])], dim=1)
-    h1 = model.mtp[0](captured["h"], model.embed_tokens(next_tokens), cos, sin)
+    h1 = model.mtp[0](out.hidden, model.embed_tokens(next_tokens), cos, sin)
     logits = model.lm_head(model.mtp[0].final_norm(h1))
     target = labels[:, 1:]
     manual = F.cross_entropy(logits[:, :-1].reshape(-1, TINY.vocab_size), target.reshape(-1))
@@ -117,7 +115,7 @@ def test_balance_loss_gradient_reaches_router_through_the_block_output():
     args = dataclasses.replace(TINY, moe_aux_loss_coeff=0.5, mtp_num_layers=0)
     model = DeepSeekV3(args).train()
     inputs, labels = batch(args, seed=5)
-    model(inputs, labels).loss.backward()
+    model(inputs, labels, aux_grad_scale=1.0).loss.backward()
     injected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for block in model.moe_blocks():
@@ -139,7 +137,7 @@ def test_bf16_autocast_on_cpu_trains():
     model = DeepSeekV3(TINY).train()
     inputs, labels = batch(TINY)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(inputs, labels)
+        out = model(inputs, labels, aux_grad_scale=1.0)
     out.loss.backward()
     assert torch.isfinite(out.loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
@@ -186,7 +184,7 @@ def test_full_recompute_gives_the_same_loss_and_gradients():
     again = DeepSeekV3(dataclasses.replace(TINY, recompute_granularity="full")).train()
     again.load_state_dict(plain.state_dict())
     inputs, labels = batch(TINY, seed=11)
-    out_plain, out_again = plain(inputs, labels), again(inputs, labels)
+    out_plain, out_again = plain(inputs, labels, aux_grad_scale=1.0), again(inputs, labels, aux_grad_scale=1.0)
     out_plain.loss.backward()
     out_again.loss.backward()
     assert out_again.loss.item() == pytest.approx(out_plain.loss.item(), rel=1e-6)
@@ -194,3 +192,33 @@ def test_full_recompute_gives_the_same_loss_and_gradients():
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
     for r_plain, r_again in zip(plain.routers(), again.routers()):
         assert torch.equal(r_again.expert_load, 2 * r_plain.expert_load)  # the replay counts again
+
+
+def test_a_training_forward_without_the_balance_loss_gradient_scale_fails_loudly():
+    """Forgetting aux_grad_scale raises instead of giving the balance loss some default gradient;
+    forwards without a balance-loss gradient (eval, no_grad, coefficient 0) need none."""
+    torch.manual_seed(12)
+    print("seed 12")
+    model = DeepSeekV3(TINY).train()
+    inputs, labels = batch(TINY, seed=13)
+    with pytest.raises(ValueError, match="aux_grad_scale"):
+        model(inputs, labels)
+    with torch.no_grad():
+        model(inputs, labels)
+    model.eval()(inputs, labels)
+    without = DeepSeekV3(dataclasses.replace(TINY, moe_aux_loss_coeff=0.0)).train()
+    without(inputs, labels).loss.backward()
+
+
+def test_the_balance_loss_gets_the_gradient_scale_of_its_forward():
+    """backward of (loss * s) with aux_grad_scale=s is s times the gradient of loss with scale 1."""
+    torch.manual_seed(14)
+    print("seed 14")
+    model = DeepSeekV3(dataclasses.replace(TINY, moe_aux_loss_coeff=0.5)).train()
+    inputs, labels = batch(TINY, seed=15)
+    model(inputs, labels, aux_grad_scale=1.0).loss.backward()
+    unit = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    (model(inputs, labels, aux_grad_scale=0.25).loss * 0.25).backward()
+    for u, (name, param) in zip(unit, model.named_parameters()):
+        torch.testing.assert_close(param.grad, 0.25 * u, rtol=1e-5, atol=1e-8, msg=name)

@@ -1,6 +1,7 @@
 """`python -m moe_train.plan`: layout checks, per-rank parameters and memory, traffic formula."""
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -9,10 +10,9 @@ from torch import nn
 from benchmarks.dispatch_volume import simulated_traffic
 from model.args import ModelArgs
 from model.block import DecoderLayer
-from model.layers import Linear, RMSNorm
 from model.flops import count_parameters
 from model.rope import RotaryEmbedding
-from model.transformer import token_cross_entropy
+from model.transformer import DeepSeekV3, ModelPart
 from moe_train import plan
 from moe_train.config import load_config
 from moe_train.plan_stages import head_memory, layer_memory
@@ -105,15 +105,15 @@ DSV3_16TH = ModelArgs(hidden_size=448, ffn_hidden_size=1152, num_attention_heads
 TOKENS = 256
 
 
-def _measure(block, inputs: tuple, precision: str, seed: int) -> tuple[int, int]:
-    """(bytes a block's forward allocates and keeps, the most alive during its forward and backward)
+def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], precision: str, seed: int) -> tuple[int, int]:
+    """(bytes `forward` of `block` allocates and keeps, the most alive during it and its backward)
     for one micro-batch; parameters and their pre-made gradients are not counted."""
     print(f"seed {seed}")
     for param in block.parameters():
         param.grad = torch.zeros_like(param)
     with LiveStorage() as memory:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = block(*inputs)
+            out = forward()
         kept = memory.live()
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)))
         del out
@@ -132,22 +132,11 @@ def test_layer_memory_matches_a_measured_decoder_layer(moe, recompute, precision
     layer = DecoderLayer(args, moe=moe).train()
     h = torch.randn(1, TOKENS, args.hidden_size, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
-    kept, peak = _measure(layer, (h, cos, sin), precision, seed)
+    kept, peak = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), precision, seed)
     planned = layer_memory(args, moe, TOKENS, precision)
     planned_kept = 4 * args.hidden_size * TOKENS if recompute else planned.kept
     assert planned_kept == pytest.approx(kept, rel=0.03)
     assert planned.peak == pytest.approx(peak, rel=0.03)
-
-
-class _Head(nn.Module):
-    """The last stage's final norm, LM head and cross-entropy, as the model runs them."""
-
-    def __init__(self, args: ModelArgs, labels: torch.Tensor) -> None:
-        super().__init__()
-        self.norm, self.lm_head, self.labels = RMSNorm(args.hidden_size), Linear(args.hidden_size, args.vocab_size), labels
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return token_cross_entropy(self.lm_head(self.norm(hidden)), self.labels)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -158,7 +147,9 @@ def test_head_memory_matches_the_measured_norm_head_and_loss(precision):
     generator = torch.Generator().manual_seed(seed)
     h = torch.randn(1, TOKENS, args.hidden_size, generator=generator, requires_grad=True)
     labels = torch.randint(0, args.vocab_size, (1, TOKENS), generator=generator)
-    kept, peak = _measure(_Head(args, labels), (h,), precision, seed)
+    head_part = ModelPart((), embedding=False, head=True)
+    head = DeepSeekV3(dataclasses.replace(args, mtp_num_layers=0), parts=[head_part])  # the final norm and LM head
+    kept, peak = _measure(head, lambda: head(labels, labels, hidden=h, part=head_part).prediction_loss, precision, seed)
     planned = head_memory(args, TOKENS, precision)
     assert planned.kept == pytest.approx(kept, rel=0.03)
     assert planned.peak == pytest.approx(peak, rel=0.03)
