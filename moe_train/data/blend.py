@@ -1,4 +1,6 @@
-"""Weighted blends of datasets, written as Megatron's ``--data-path``: one prefix, or "W1 P1 W2 P2 ...".
+"""Weighted blends of datasets, written as Megatron's ``--data-path``: one prefix, "W1 P1 W2 P2 ...", or
+several prefixes without weights ("P1 P2 ...": each dataset weighted by its size in samples, the
+proportions of Megatron's unweighted blend, which concatenates them).
 
 Weights are normalised to sum to 1 (Megatron's ``normalize``), so "3 A 7 B" is "0.3 A 0.7 B". A
 prefix may be named by its ``.bin`` or ``.idx`` file as well.
@@ -23,7 +25,7 @@ from moe_train.data.packing import PackedSamples, SampleStream
 
 PERIOD = 1 << 16
 DATA_SUFFIXES = (".bin", ".idx")
-Blend = list[tuple[float, str]]
+Blend = list[tuple[float | None, str]]  # weight None: by the dataset's size
 
 
 def dataset_prefix(path: str) -> str:
@@ -40,7 +42,8 @@ def _weight(text: str) -> float | None:
 
 
 def parse_blend(spec: str | os.PathLike | Sequence[Any]) -> Blend:
-    """(normalised weight, prefix) pairs of one prefix or a "W1 P1 W2 P2 ..." blend.
+    """(normalised weight, prefix) pairs of one prefix or a "W1 P1 W2 P2 ..." blend; (None, prefix) for
+    each of several prefixes without weights (weighted by size once the datasets are read).
 
     ``spec`` is a string (split on whitespace), a path (one prefix, never split) or a list of words
     (YAML). Raises ValueError saying what is wrong.
@@ -55,6 +58,8 @@ def parse_blend(spec: str | os.PathLike | Sequence[Any]) -> Blend:
         raise ValueError("is empty; give a dataset prefix or a blend 'W1 PREFIX1 W2 PREFIX2 ...'")
     if len(words) == 1:
         return [(1.0, dataset_prefix(words[0]))]
+    if all(_weight(w) is None for w in words):
+        return [(None, dataset_prefix(w)) for w in words]
     weights = [_weight(w) for w in words[::2]]
     if len(words) % 2 or None in weights:
         raise ValueError(f"{' '.join(words)!r} is neither one prefix nor a blend of weight-prefix pairs "

@@ -46,20 +46,23 @@ def build_datasets(
     return train, _stream(datasets, weights, [v for _, v in splits], seq_length, seed, eod_id, "valid")
 
 
-def _parse(path: DataPath) -> list[tuple[float, str]]:
+def _parse(path: DataPath) -> list[tuple[float | None, str]]:
     try:
         return parse_blend(path)
     except ValueError as err:
         raise DataError(f"data path {err}") from None
 
 
-def _stream(datasets: list[IndexedDataset], weights: list[float], documents: list[np.ndarray | None],
+def _stream(datasets: list[IndexedDataset], weights: list[float | None], documents: list[np.ndarray | None],
             seq_length: int, seed: int, eod_id: int | None, stream: str) -> SampleStream:
     """One dataset's packed stream as it always was, or a blend whose parts get their own orders."""
     if len(datasets) == 1:
         return PackedSamples(datasets[0], seq_length, seed, documents[0], eod_id, stream=stream)
     parts = [PackedSamples(ds, seq_length, seed, docs, eod_id, stream=f"{stream}/{i}")
              for i, (ds, docs) in enumerate(zip(datasets, documents))]
+    if None in weights:  # prefixes without weights: each by its size in samples
+        sizes = [part.samples_per_epoch for part in parts]
+        weights = [size / sum(sizes) for size in sizes]
     return BlendedSamples(parts, weights, stream)
 
 

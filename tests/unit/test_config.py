@@ -133,7 +133,7 @@ def test_data_paths_take_a_prefix_or_a_blend_string_or_list():
 @pytest.mark.parametrize("overrides,key,fragment", [
     (["data.path=0.3 a 0.7"], "data.path", "neither one prefix nor a blend"),
     (["data.path=[0.5, a, -0.5, b]"], "data.path", "finite numbers > 0"),
-    (["data.valid_path=x y"], "data.valid_path", "neither one prefix nor a blend"),
+    (["data.valid_path=1 x y"], "data.valid_path", "neither one prefix nor a blend"),
     (["data.valid_path=v", "data.valid_fraction=0.1"], "data.valid_path", "together with data.valid_fraction"),
     (["data.path={a: 1}"], "data.path", "expected a string or a list"),
     (["logging.wandb_mode=cloud"], "logging.wandb_mode", "must be one of offline, online"),

@@ -37,7 +37,8 @@ def test_parse_one_prefix_a_blend_and_file_names():
     assert parse_blend("3 a.bin 1 b") == [(0.75, "a"), (0.25, "b")]
     assert parse_blend(["0.3", "a", 0.7, "b"]) == parse_blend("0.3 a 0.7 b") == [(0.3, "a"), (0.7, "b")]
     assert parse_blend(Path("with space/a")) == [(1.0, "with space/a")]
-    for bad, fragment in (("0.3 a 0.7", "neither one prefix nor a blend"), ("a b", "neither one prefix"),
+    assert parse_blend("a.bin b") == parse_blend(["a", "b"]) == [(None, "a"), (None, "b")]  # weighted by size
+    for bad, fragment in (("0.3 a 0.7", "neither one prefix nor a blend"), ("0.5 a b", "neither one prefix"),
                           ("0 a 1 b", "finite numbers > 0"), ("nan a 1 b", "finite numbers > 0"), ([], "is empty")):
         with pytest.raises(ValueError, match=fragment):
             parse_blend(bad)
@@ -76,6 +77,15 @@ def test_blend_draws_each_dataset_at_its_weight_in_its_own_order(tmp_path, rng):
         assert np.array_equal(row, again.row(int(g)))
     other, _ = build_datasets(spec, 8, seed + 1)
     assert not all(np.array_equal(train.row(int(g)), other.row(int(g))) for g in picks)
+
+
+def test_prefixes_without_weights_are_blended_by_their_sizes(tmp_path, rng):
+    small = write_dataset(tmp_path / "small", rng, 1000, n_docs=10)
+    large = write_dataset(tmp_path / "large", rng, 2000, n_docs=40)
+    train, _ = build_datasets(f"{small} {large}", 8, 5)
+    sizes = np.array([part.samples_per_epoch for part in train.parts])
+    assert train.weights == pytest.approx((sizes / sizes.sum()).tolist())
+    assert train.draws(PERIOD) == train.slots.tolist() and sizes[1] > sizes[0]
 
 
 def test_a_single_prefix_stream_is_unchanged_by_blending(tmp_path, rng):
