@@ -3,6 +3,7 @@
 #
 #   bash scripts/pretrain_dsv3.sh [CONFIG] [--set section.key=value ...]
 #   bash scripts/pretrain_dsv3.sh --help      # this text; the config keys: python -m moe_train.train --help
+#   bash scripts/pretrain_dsv3.sh [CONFIG] --print-config [--set ...]   # the resolved config, nothing started
 #   sbatch --nodes 2 scripts/pretrain_dsv3.sh moe_train/configs/dsv3_671b.yaml
 #   salloc --nodes 2 bash scripts/pretrain_dsv3.sh CONFIG [--set ...]
 #
@@ -63,6 +64,12 @@ if [ ! -f "$CONFIG" ] && [ "${CONFIG#/}" = "$CONFIG" ] && [ -f "$ROOT/$CONFIG" ]
 fi
 [ -f "$CONFIG" ] || { echo "error: config file not found: $CONFIG" >&2; exit 2; }
 CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
+
+for arg in "$@"; do
+    if [ "$arg" = --print-config ]; then
+        exec "$PYTHON" -m moe_train.train --config "$CONFIG" "$@"
+    fi
+done
 
 IN_SLURM=
 if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then

@@ -25,6 +25,18 @@ def test_the_launcher_prints_its_usage_and_exits_0(flag):
     assert "#SBATCH" not in res.stdout and "set -euo" not in res.stdout
 
 
+def test_the_launcher_prints_the_resolved_config_and_starts_nothing(tmp_path):
+    run = tmp_path / "run"
+    res = subprocess.run(["bash", str(ROOT / "scripts/pretrain_dsv3.sh"), TINY, "--print-config", "--set",
+                          "train.steps=7", "--set", f"logging.dir={run}"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert res.returncode == 0 and not res.stderr, res.stderr
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(res.stdout)
+    assert load_config(printed) == load_config(TINY, ["train.steps=7", f"logging.dir={run}"])
+    assert not run.exists()
+
+
 def test_every_config_key_is_listed_with_type_default_and_description(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
