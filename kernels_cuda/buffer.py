@@ -238,6 +238,12 @@ class Buffer:
             raise ValueError(f"kernels_cuda Buffer: a group of {self.num_ranks} ranks does not split into nodes of "
                              f"ranks_per_node={self.ranks_per_node}")
         self.num_nodes = self.num_ranks // self.ranks_per_node
+        low_latency_transport = None  # checked before any region is made (a refusal then leaves nothing mapped)
+        if low_latency_mode:
+            if num_rdma_bytes <= 0:
+                raise ValueError("kernels_cuda Buffer: low_latency_mode needs num_rdma_bytes > 0 (see "
+                                 "Buffer.get_low_latency_rdma_size_hint)")
+            low_latency_transport = check_rdma_transport(rdma_transport, group, ext, self.device)
         if self.is_internode:
             if num_rdma_bytes <= 0:
                 raise ValueError(f"kernels_cuda Buffer: a group over {self.num_nodes} nodes needs num_rdma_bytes > 0 "
@@ -267,12 +273,9 @@ class Buffer:
                                           self.device, device_sms(self.device, schedule))
         self.runtime.open_ipc_handles(handles)
         self.low_latency: LowLatencyEngine | None = None
-        if low_latency_mode:
-            if num_rdma_bytes <= 0:
-                raise ValueError("kernels_cuda Buffer: low_latency_mode needs num_rdma_bytes > 0 (see "
-                                 "Buffer.get_low_latency_rdma_size_hint)")
-            runtime = low_latency_runtime(ext, check_rdma_transport(rdma_transport, group, ext, self.device), group,
-                                          self.rank, self.num_ranks, int(num_rdma_bytes))
+        if low_latency_transport is not None:
+            runtime = low_latency_runtime(ext, low_latency_transport, group, self.rank, self.num_ranks,
+                                          int(num_rdma_bytes))
             apply_schedule(runtime, self.device, schedule)
             self.low_latency = LowLatencyEngine(runtime, self.num_ranks, timeout_cycles, device_sms(self.device, schedule))
         dist.barrier(group=group)  # every peer mapped this rank's regions
