@@ -21,13 +21,11 @@ def run_args(run, *extra):
     return ["--config", TINY, *[a for kv in sets for a in ("--set", kv)]]
 
 
-def offline_history(run_dir, index=0):
-    """The `history` records of the `index`-th offline run folder under `run_dir/wandb` (by start time),
-    read from its transaction log (LevelDB's log format: 32 KiB blocks of chunks with a 7-byte header,
-    after W&B's 7-byte file header)."""
+def offline_history(path):
+    """The `history` records of one offline run file, read from its transaction log (LevelDB's log
+    format: 32 KiB blocks of chunks with a 7-byte header, after W&B's 7-byte file header)."""
     from wandb.proto import wandb_internal_pb2
 
-    path = offline_runs(run_dir)[index]
     data, block = Path(path).read_bytes(), 32768
     assert data[:4] == b":W&B"
     pos, record, history = 7, b"", []
@@ -57,8 +55,8 @@ def test_wandb_offline_logs_the_metrics_scalars(tmp_path):
     assert main(run_args(run, "train.steps=3", "train.log_interval=1", "logging.wandb_project=moe-test",
                          "logging.wandb_mode=offline")) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(offline_runs(run)) == 1
-    history = offline_history(run)
+    (path,) = offline_runs(run)
+    history = offline_history(path)
     assert [h["_step"] for h in history] == [r["step"] for r in records] == [1, 2, 3]
     for logged, record in zip(history, records):
         for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "consumed_samples"):
@@ -72,10 +70,11 @@ def test_a_resumed_run_logs_on_into_the_same_wandb_run(tmp_path):
              "checkpoint.interval=2")
     assert main(run_args(run, "train.steps=2", *wandb)) == 0
     assert main(run_args(run, "train.steps=4", *wandb)) == 0  # resumes from step 2 (checkpoint.resume=auto)
-    first, second = offline_runs(run)
+    paths = offline_runs(run)
     run_id = (run / "wandb" / "run_id").read_text().strip()
-    assert Path(first).stem == Path(second).stem == f"run-{run_id}"  # one W&B run, in two folders
-    assert [h["_step"] for h in offline_history(run, 1)] == [3, 4]
+    assert [Path(p).stem for p in paths] == [f"run-{run_id}"] * 2  # one W&B run, in two folders
+    steps = sorted([h["_step"] for h in offline_history(p)] for p in paths)  # (folders of one second sort by name)
+    assert steps == [[1, 2], [3, 4]]
 
 
 def test_wandb_project_without_wandb_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
