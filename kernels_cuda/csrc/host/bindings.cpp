@@ -38,11 +38,7 @@ class Runtime final : public RuntimeCore {
 
     // Unmaps the peers' buffers and frees this rank's (collective: the caller synchronises the ranks
     // first); the destructor calls it when the caller did not. Later ops fail naming the unmapped peer.
-    void destroy() {
-        if (!buffers_.allocated()) return;
-        cudaDeviceSynchronize();
-        buffers_.release();
-    }
+    void destroy() { buffers_.release_when_idle(); }
 
     py::bytes ipc_handle() const {
         require_alive();
@@ -51,10 +47,7 @@ class Runtime final : public RuntimeCore {
 
     void open_ipc_handles(const std::vector<py::bytes>& handles) {
         TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
-        require_alive();
-        TORCH_CHECK(static_cast<int>(handles.size()) == world_size_, "kernels_cuda: need one IPC handle per rank");
-        for (int r = 0; r < world_size_; ++r)
-            if (r != launch_rank_) buffers_.open(r, handles[r]);
+        buffers_.open_peers(handles, launch_rank_);
     }
 
     // Counts exchange; resets this launch's mapped counters to -1 first.

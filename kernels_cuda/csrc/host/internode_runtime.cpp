@@ -22,10 +22,8 @@
 #include "internode_runtime.h"
 #include "rank_regions.h"
 #include "runtime_common.h"
+#include "symmetric_region.h"
 #include "tensor_args.h"
-#if defined(EP_WITH_NVSHMEM)
-#include "nvshmem_world.h"
-#endif
 
 namespace {
 
@@ -316,8 +314,6 @@ class IpcInternodeRuntime final : public ProcessInternodeRuntime {
 };
 
 #if defined(EP_WITH_NVSHMEM)
-namespace world = ep::nvshmem_world;
-
 // The RDMA region in NVSHMEM's symmetric heap (Backend::kNvshmem, PE = rank): real multi-node runs.
 class NvshmemInternodeRuntime final : public ProcessInternodeRuntime {
    public:
@@ -325,29 +321,9 @@ class NvshmemInternodeRuntime final : public ProcessInternodeRuntime {
     NvshmemInternodeRuntime(int rank, int num_nodes, int gpus, int64_t rdma_bytes, int64_t nvl_bytes,
                             const std::string& unique_id)
         : ProcessInternodeRuntime(rank, num_nodes, gpus, rdma_bytes, nvl_bytes, ep::Backend::kNvshmem) {
-        world::size_heap(rdma_bytes);
-        world::join(unique_id, rank, world_size_);
-        rdma_.adopt(rank, world::allocate(rdma_bytes), free_symmetric);
-        uint8_t* symmetric = rdma_.at(rank);
-        check_cuda(cudaMemset(symmetric, 0, rdma_bytes), "cudaMemset(RDMA region)");
-        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-        world::barrier();  // every region is zero before any peer signals into it
+        uint8_t* symmetric = symmetric_region::adopt(rdma_, rank, world_size_, rdma_bytes, unique_id);
         // The symmetric heap has the same address on every PE: node m's rail peer is reached at ours.
         for (int m = 0; m < num_nodes; ++m) rdma_.alias(m * gpus + rank % gpus, symmetric);
-    }
-
-    // Made on rank 0 and broadcast before the runtimes are constructed; empty once this process's
-    // NVSHMEM world exists (it is initialised once). Sizes the heap first: NVSHMEM may read it here.
-    static py::bytes unique_id(int64_t rdma_bytes) {
-        world::size_heap(rdma_bytes);
-        return py::bytes(world::initialised() ? std::string() : world::unique_id());
-    }
-
-   private:
-    // The NVSHMEM world stays (it is finalised at process exit).
-    static void free_symmetric(void* region) {
-        world::barrier();  // no peer reads or writes this rank's regions any more
-        world::deallocate(region);
     }
 };
 #endif
@@ -375,7 +351,7 @@ void register_internode(py::module_& m) {
 #if defined(EP_WITH_NVSHMEM)
     py::class_<NvshmemInternodeRuntime, ProcessInternodeRuntime>(m, "NvshmemInternodeRuntime")
         .def(py::init<int, int, int, int64_t, int64_t, const std::string&>())
-        .def_static("unique_id", &NvshmemInternodeRuntime::unique_id);
+        .def_static("unique_id", &symmetric_region::unique_id);
     m.attr("with_nvshmem") = true;
 #else
     m.attr("with_nvshmem") = false;

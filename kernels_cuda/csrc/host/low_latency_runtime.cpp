@@ -17,9 +17,7 @@
 #include "runtime_common.h"
 #include "tensor_args.h"
 
-#if defined(EP_WITH_NVSHMEM)
-#include "nvshmem_world.h"
-#endif
+#include "symmetric_region.h"
 
 namespace {
 
@@ -40,11 +38,7 @@ class LowLatencyRuntime : public RuntimeCore {
         return ep::make_low_latency_layout(num_experts, max_tokens, hidden).total;
     }
 
-    void destroy() {
-        if (!regions_.allocated()) return;
-        cudaDeviceSynchronize();
-        regions_.release();
-    }
+    void destroy() { regions_.release_when_idle(); }
 
     py::bytes ipc_handle() const {
         require_alive();
@@ -53,10 +47,7 @@ class LowLatencyRuntime : public RuntimeCore {
 
     void open_ipc_handles(const std::vector<py::bytes>& handles) {
         TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
-        require_alive();
-        TORCH_CHECK(static_cast<int>(handles.size()) == world_size_, "kernels_cuda: need one IPC handle per rank");
-        for (int r = 0; r < world_size_; ++r)
-            if (r != launch_rank_) regions_.open(r, handles[r]);
+        regions_.open_peers(handles, launch_rank_);
     }
 
     // Zeroes the regions of the ranks this process launches: signals, counters and the clean word.
@@ -185,8 +176,6 @@ class LowLatencyRuntime : public RuntimeCore {
 };
 
 #if defined(EP_WITH_NVSHMEM)
-namespace world = ep::nvshmem_world;
-
 // The region in NVSHMEM's symmetric heap (Backend::kNvshmem, PE = EP rank), for EP groups across
 // machines. Collective over the group: every rank constructs one with the unique id made by rank 0
 // (empty once this process's NVSHMEM world exists, e.g. from an internode buffer).
@@ -194,25 +183,8 @@ class NvshmemLowLatencyRuntime final : public LowLatencyRuntime {
    public:
     NvshmemLowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, const std::string& unique_id)
         : LowLatencyRuntime(rank, num_ranks, num_bytes, ep::Backend::kNvshmem) {
-        world::size_heap(num_bytes);
-        world::join(unique_id, rank, world_size_);
-        regions_.adopt(rank, world::allocate(num_bytes), free_symmetric);
-        uint8_t* symmetric = regions_.at(rank);
-        check_cuda(cudaMemset(symmetric, 0, num_bytes), "cudaMemset(low-latency region)");
-        check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-        world::barrier();  // every region is zero before any peer signals into it
+        uint8_t* symmetric = symmetric_region::adopt(regions_, rank, world_size_, num_bytes, unique_id);
         for (int r = 0; r < num_ranks; ++r) regions_.alias(r, symmetric);  // the same address on every PE
-    }
-
-    static py::bytes unique_id(int64_t num_bytes) {
-        world::size_heap(num_bytes);
-        return py::bytes(world::initialised() ? std::string() : world::unique_id());
-    }
-
-   private:
-    static void free_symmetric(void* region) {
-        world::barrier();  // no peer reads or writes this rank's region any more
-        world::deallocate(region);
     }
 };
 #endif
@@ -236,6 +208,6 @@ void register_low_latency(py::module_& m) {
 #if defined(EP_WITH_NVSHMEM)
     py::class_<NvshmemLowLatencyRuntime, LowLatencyRuntime>(m, "NvshmemLowLatencyRuntime")
         .def(py::init<int, int, int64_t, const std::string&>())
-        .def_static("unique_id", &NvshmemLowLatencyRuntime::unique_id);
+        .def_static("unique_id", &symmetric_region::unique_id);
 #endif
 }

@@ -63,6 +63,21 @@ class RankRegions {
         opened_[rank] = true;
     }
 
+    // Maps every peer's region from the handles their processes exported (one per rank, `self`'s skipped).
+    void open_peers(const std::vector<py::bytes>& handles, int self) {
+        TORCH_CHECK(allocated(), "kernels_cuda: the ", kind_, " was destroyed");
+        TORCH_CHECK(handles.size() == base_.size(), "kernels_cuda: need one IPC handle per rank");
+        for (int r = 0; r < static_cast<int>(base_.size()); ++r)
+            if (r != self) open(r, handles[r]);
+    }
+
+    // release() once the device is idle, if not released yet (destroy() of every runtime).
+    void release_when_idle() {
+        if (!allocated()) return;
+        cudaDeviceSynchronize();
+        release();
+    }
+
     uint8_t* at(int rank) const {
         TORCH_CHECK(base_[rank] != nullptr, "kernels_cuda: the ", kind_, " of rank ", rank,
                     " is not mapped here (open_ipc_handles not called, or the buffer was destroyed)");
