@@ -32,7 +32,8 @@ from moe_train.data.tokenizers import Tokenizer
 from moe_train.decoding import generate_ids
 from moe_train.runtime import device_type, select_device
 from moe_train.sampling import next_token
-from moe_train.train import EXIT_BAD_INPUT, choose_dispatcher
+from moe_train.exit_codes import EXIT_BAD_INPUT
+from moe_train.train import choose_dispatcher
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.low_latency import LowLatencyExchange

@@ -2,8 +2,9 @@
 
 `python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P] [--log-dir]`
 checks the config, the process layout for N nodes x P processes (P defaults to
-parallel.nproc_per_node, else 1) and the pipeline schedule and stage cut the trainer would build,
-before anything starts; exit 2 with the problems listed.
+parallel.nproc_per_node, else 1), the pipeline schedule and stage cut the trainer would build, and
+what this machine refuses (device, dispatcher, wandb, memory for P processes: the trainer's own
+`refuse_at_start_up`), before anything starts; exit 2 with the problems listed, once.
 With --log-dir a second line gives the resolved logging.dir (the launcher's per-job logs go below it).
 """
 from __future__ import annotations
@@ -39,6 +40,21 @@ def pipeline_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, s
     return []
 
 
+def machine_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
+    """What this machine refuses of `config` run as rank 0 of nodes x nproc processes (the nodes of a
+    job are alike): the trainer's start-up refusals, checked with the layout but no process group."""
+    from moe_train.train import refuse_at_start_up
+    from parallel.topology import Topology
+
+    p = config.parallel
+    topology = Topology(rank=0, world_size=nodes * nproc, pp=p.pp, ep=p.ep, gpus_per_node=p.gpus_per_node or nproc)
+    try:
+        refuse_at_start_up(config, topology, nproc)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_train.launch_info", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -51,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         nproc = args.nproc_per_node or config.parallel.nproc_per_node or 1
         if nproc * args.nodes > 1 or config.parallel.ep > 1 or config.parallel.pp > 1:
-            problems = layout_errors(config, args.nodes, nproc) or pipeline_errors(config, args.nodes, nproc)
+            problems = (layout_errors(config, args.nodes, nproc) or pipeline_errors(config, args.nodes, nproc)
+                        or machine_errors(config, args.nodes, nproc))
             if problems:
                 raise ConfigError(problems, f"{args.nodes} node(s) x {nproc} process(es)")
     except ConfigError as err:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
+from moe_train.memory_limits import MemoryLimit
 from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
     rank_parameters
 from moe_train.plan_traffic import expected_routing, token_traffic
@@ -215,9 +216,9 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
     return problems
 
 
-def start_up_memory_problems(config: Config, world: int, available_gib: float, memory: str) -> list[tuple[str, str]]:
-    """A lower bound of one process's memory against `available_gib`, what `memory` (e.g. "cpu memory")
-    offers each process here: checked at start-up, before the model is allocated. Cheap and analytical
+def start_up_memory_problems(config: Config, world: int, available: MemoryLimit, memory: str) -> list[tuple[str, str]]:
+    """A lower bound of one process's memory against `available`, what `memory` (e.g. "cpu memory")
+    offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
     (make_plan builds the stages' modules, too slow for a model that is far too large): parameters,
     gradients and Adam state (16 bytes each) as if spread evenly over all `world` processes, plus one
     micro-batch's activations of the first stage's layers unless they are recomputed."""
@@ -231,11 +232,11 @@ def start_up_memory_problems(config: Config, world: int, available_gib: float, m
         first = range(-(-a.num_layers // pp))
         activations = sum(layer_memory(a, a.is_moe_layer(i), tokens, t.precision, experts).kept for i in first)
     need = (states + activations) / GIB
-    if need <= available_gib:
+    if need <= available.gib:
         return []
     return [("memory", f"{memory}: each process needs at least {need:.1f} GiB (parameters, gradients and Adam "
                        f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB) "
-                       f"but {available_gib:.1f} GiB is available per process; use a smaller model, more processes, "
+                       f"but {available.gib:.1f} GiB is available per process, bounded by {available.source}; use a smaller model, more processes, "
                        "model.recompute_granularity=full, or a smaller train.micro_batch_size or train.seq_length")]
 
 

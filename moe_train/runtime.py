@@ -3,7 +3,6 @@ torch.compile."""
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 
 import numpy as np
@@ -28,19 +27,6 @@ def select_device(train: TrainConfig) -> torch.device:
     if device_type(train) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def available_memory_gib(device: torch.device, processes_here: int) -> float:
-    """What one process may allocate: the GPU's free memory, or this machine's available RAM shared by
-    the `processes_here` processes running on it."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 2**30
-    try:
-        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return available / 2**30 / max(1, processes_here)
 
 
 def seed_everything(seed: int) -> None:

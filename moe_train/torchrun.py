@@ -9,6 +9,11 @@ so it exits 0 when all of them do. A Ctrl-C reaches torchrun only (its workers r
 their own), so each worker sees it once and a second Ctrl-C still aborts. SIGHUP and SIGQUIT keep
 torchrun's own teardown. A stop signal before any worker has started ends torchrun at once; one after
 the workers have ended changes nothing.
+
+When workers fail, torchrun raises `ChildFailedError`, a traceback and a table, and exits 1. Here the
+workers' own status is passed on instead: 2, 3 or 4 (moe_train.exit_codes) when every failed worker
+ended so, having said why in its one line; otherwise 1, with one line per failed worker naming its
+rank, pid and exit code or signal.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import signal
 import sys
 from types import FrameType
 
+from moe_train.exit_codes import OWN_EXIT_STATUSES
 from moe_train.stop import STOP_SIGNALS, ignore_stop_signals
 
 TORCHRUN_HANDLES = "SIGHUP,SIGQUIT"  # torchrun --signals-to-handle: what its own teardown still answers
@@ -57,13 +63,34 @@ def forward_to_workers(signum: int, _frame: FrameType | None) -> None:
             pass
 
 
+def failure_status(exit_codes: list[int]) -> int:
+    """The launcher's status for workers that failed with `exit_codes`: theirs when they agree on one
+    of the trainer's own statuses, else 1."""
+    codes = set(exit_codes)
+    return codes.pop() if len(codes) == 1 and codes <= set(OWN_EXIT_STATUSES) else 1
+
+
+def describe_failure(rank: int, local_rank: int, pid: int, exit_code: int) -> str:
+    ending = (f"was killed by {signal.Signals(-exit_code).name}" if exit_code < 0 and -exit_code in signal.valid_signals()
+              else f"exited with status {exit_code}")
+    return f"error: worker rank {rank} (local rank {local_rank}, pid {pid}) {ending}"
+
+
 def main(argv: list[str]) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, forward_to_workers)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun([f"--signals-to-handle={TORCHRUN_HANDLES}", *argv])
+    except ChildFailedError as err:
+        failures = sorted(err.failures.items())
+        status = failure_status([failure.exitcode for _, failure in failures])
+        if status == 1:
+            for rank, failure in failures:
+                print(describe_failure(rank, failure.local_rank, failure.pid, failure.exitcode), file=sys.stderr)
+        raise SystemExit(status) from None
     finally:
         ignore_stop_signals()
 

@@ -29,24 +29,24 @@ from moe_train.data import (BatchSampler, DataError, SampleStream, build_dataset
 from moe_train.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.optim import build_optimizer, set_learning_rate
+from moe_train.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
+from moe_train.memory_limits import available_memory
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.zb_measure import WARMUP_SCHEDULE, ZbCostMeter, measures_zb_costs
-from moe_train.runtime import (autocast, available_memory_gib, compile_model, configure_threads, device_type,
+from moe_train.runtime import (autocast, compile_model, configure_threads, device_type,
                                seed_everything, select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from moe_train.stop import StopRequest, ignore_stop_signals
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
+from parallel.failures import collective_failure
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
 from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
 
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_WRITE_FAILED = 4  # a log or checkpoint could not be written during the run (disk full, read-only, ...)
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
 
 
@@ -441,6 +441,12 @@ class Trainer:
             if self.is_logger:  # every rank has the checkpoint error, rank 0 with every rank's part
                 print(f"error: {err}", file=sys.stderr, flush=True)
             return EXIT_WRITE_FAILED
+        except RuntimeError as err:
+            line = collective_failure_line(err, self.topology, f"in step {self.step + 1}")
+            if line is None:
+                raise
+            print(f"{line}; {self.kept_checkpoint()}", file=sys.stderr, flush=True)
+            return EXIT_PEER_FAILED
         finally:
             self.logger.close()
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
@@ -520,12 +526,28 @@ def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None
     return lock
 
 
-def refuse_what_cannot_fit(config: Config, topology: Topology | None) -> None:
-    """A model or batch that cannot fit this machine stops before it is allocated (start_up_memory_problems)."""
+def collective_failure_line(err: RuntimeError, topology: Topology | None, when: str) -> str | None:
+    """The one line a rank prints when `err` is a failed collective (parallel.failures), else None."""
+    reason = collective_failure(err)
+    if reason is None:
+        return None
+    rank = 0 if topology is None else topology.rank
+    return f"error: rank {rank}: a collective failed {when} ({reason}): a peer process died or the network broke"
+
+
+def refuse_at_start_up(config: Config, topology: Topology | None, processes_here: int) -> None:
+    """What this machine refuses of `config` before anything is allocated or written, as a ConfigError:
+    a wandb project without the package, `train.device=cuda` without CUDA, a dispatcher that cannot run,
+    and a model or batch that cannot fit the memory one of `processes_here` local processes may use
+    (moe_train.memory_limits). The launcher runs the same checks once, before it starts any process
+    (moe_train.launch_info); a process group is not needed, only the layout."""
+    if config.logging.wandb_project is not None and wandb_module() is None:
+        raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
+                                                     "is not installed: pip install wandb, or unset the key")])
     device = select_device(config.train)
+    choose_dispatcher(config, topology)
     world = topology.world_size if topology is not None else 1
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    problems = start_up_memory_problems(config, world, available_memory_gib(device, here), f"{device.type} memory")
+    problems = start_up_memory_problems(config, world, available_memory(device, processes_here), f"{device.type} memory")
     if problems:
         raise ConfigError(problems)
 
@@ -546,9 +568,6 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
     topology, lock = None, None
     try:
         config = load_config(args.config, args.overrides)
-        if config.logging.wandb_project is not None and wandb_module() is None:
-            raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
-                                                         "is not installed: pip install wandb, or unset the key")])
         topology = start_distributed(config)
         if topology is not None and topology.rank == 0:
             print(f"layout: {topology.world_size} processes = pp {topology.pp} x dp {topology.dp} "
@@ -556,8 +575,7 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
             m = config.model
             print(routing_statement(topology.ep, topology.gpus_per_node, m.moe_router_num_groups,
                                     m.moe_router_group_topk, m.moe_router_topk), flush=True)
-        choose_dispatcher(config, topology)  # a backend that cannot run fails before logging.dir is created
-        refuse_what_cannot_fit(config, topology)
+        refuse_at_start_up(config, topology, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # before logging.dir
         lock = claim_on_rank_0(config, topology)
         trainer = Trainer(config, topology, stop)
     except RunDirError as err:  # rank 0's outcome, told once
@@ -569,6 +587,14 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
         if lock is not None:
             lock.release()
         return EXIT_BAD_INPUT
+    except RuntimeError as err:
+        line = collective_failure_line(err, topology, "during start-up")
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        if lock is not None:
+            lock.release()
+        return EXIT_PEER_FAILED
     try:
         return trainer.train()
     finally:

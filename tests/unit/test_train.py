@@ -250,19 +250,32 @@ def test_bf16_loss_curve_follows_fp32(cache_dir):
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
 
 
-def test_launcher_refuses_a_pipeline_split_the_trainer_cannot_run_before_starting_any_process(tmp_path):
-    """dualpipev on pp 2 needs 4 micro-batches; the tiny config's batch on dp 2 gives 1: one line, exit 2,
-    no torchrun traceback (the workers are never started)."""
+LAUNCHER_REFUSALS = {
+    # dualpipev on pp 2 needs 4 micro-batches; the tiny config's batch on dp 2 gives 1
+    "pipeline-split": (["parallel.pp=2", "parallel.schedule=dualpipev"],
+                       "parallel: schedule dualpipev on pp=2 with 1 micro-batches"),
+    "cuda-without-gpu": (["train.micro_batch_size=2", "train.device=cuda"], "train.device: cuda, but CUDA is not available"),
+    "cannot-fit": (["train.micro_batch_size=2", "model.hidden_size=1000000"], "memory: cpu memory: each process needs at least"),
+    "deepep-missing": (["train.micro_batch_size=2", "parallel.dispatcher=deepep"], "parallel.dispatcher: 'deepep' cannot run here"),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCHER_REFUSALS)
+def test_launcher_refuses_what_the_trainer_would_before_starting_any_process(tmp_path, case):
+    """What every worker would refuse at start-up (the trainer's own checks) is said once by the launcher,
+    exit 2, and no worker, torchrun line or run directory is ever made. Before the launcher ran these
+    checks, each case printed its line once per worker (4 times), then a torchrun traceback, exit 1."""
+    overrides, message = LAUNCHER_REFUSALS[case]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NPROC_PER_NODE": "4", "PYTHON": sys.executable}
     env.pop("SLURM_JOB_ID", None)
-    args = ["--set", "parallel.pp=2", "--set", "parallel.ep=2", "--set", "parallel.schedule=dualpipev",
-            "--set", f"logging.dir={tmp_path / 'run'}"]
+    args = [x for o in ["parallel.ep=2", *overrides, f"logging.dir={tmp_path / 'run'}"] for x in ("--set", o)]
     bad = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", TINY, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2, bad.stdout + bad.stderr
-    lines = [line for line in bad.stderr.splitlines() if "dualpipev needs microbatches" in line]
-    assert len(lines) == 1 and "parallel: schedule dualpipev on pp=2 with 1 micro-batches" in lines[0], bad.stderr
-    assert "Traceback" not in bad.stderr and not (tmp_path / "run").exists()
+    lines = bad.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: 1 node(s) x 4 process(es): ") and message in lines[0], \
+        bad.stderr
+    assert not bad.stdout and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("overrides", [["model.num_layers=100000"], ["model.hidden_size=1000000"],
