@@ -8,9 +8,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from model.intervals import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_COUNT, Interval, interval_problems
+
 ROPE_TYPES = ("rope", "yarn")
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
 RECOMPUTE_GRANULARITIES = (None, "full")
+
+# Every numeric key's allowed values (the router's group counts are checked with the expert count).
+INTERVALS: dict[str, Interval] = {
+    **dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_lora_rank",
+                     "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts", "moe_ffn_hidden_size",
+                     "moe_router_topk", "vocab_size", "max_position_embeddings", "original_max_position_embeddings"),
+                    POSITIVE_COUNT),
+    "q_lora_rank": Interval(low=1, optional=True),  # null: a direct q projection
+    **dict.fromkeys(("moe_shared_expert_intermediate_size", "first_k_dense_replace", "mtp_num_layers"), COUNT),
+    **dict.fromkeys(("moe_router_topk_scaling_factor", "rotary_scaling_factor", "beta_fast", "beta_slow",
+                     "init_method_std"), POSITIVE),
+    **dict.fromkeys(("moe_router_bias_update_rate", "moe_aux_loss_coeff", "mtp_loss_scaling_factor", "mscale",
+                     "mscale_all_dim"), NON_NEGATIVE),
+    "rotary_base": Interval(low=1, low_open=True),  # the wavelengths grow with the channel index
+    "norm_epsilon": Interval(low=0, high=1, low_open=True, high_open=True),
+}
 
 
 @dataclass
@@ -106,20 +124,7 @@ class ModelArgs:
 
     def validate(self) -> list[tuple[str, str]]:
         """Every problem as (key, message); empty when the shape is buildable."""
-        problems: list[tuple[str, str]] = []
-        positive = (
-            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_lora_rank",
-            "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts",
-            "moe_ffn_hidden_size", "moe_router_topk", "vocab_size", "max_position_embeddings",
-        )
-        for key in positive:
-            if getattr(self, key) <= 0:
-                problems.append((key, f"must be a positive integer, got {getattr(self, key)}"))
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            problems.append(("q_lora_rank", "must be positive, or null for a direct q projection"))
-        for key in ("moe_shared_expert_intermediate_size", "first_k_dense_replace", "mtp_num_layers"):
-            if getattr(self, key) < 0:
-                problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        problems = interval_problems(self, INTERVALS)
         if self.qk_pos_emb_head_dim % 2:
             problems.append(("qk_pos_emb_head_dim", "must be even: RoPE rotates pairs of channels"))
         if self.first_k_dense_replace > self.num_layers:
@@ -129,16 +134,14 @@ class ModelArgs:
             problems.append(("rope_type", f"must be one of {ROPE_TYPES}, got {self.rope_type!r}"))
         elif self.rope_type == "yarn" and self.rotary_scaling_factor < 1:
             problems.append(("rotary_scaling_factor", "YaRN needs a factor >= 1"))
+        elif self.rope_type == "yarn" and not self.beta_fast > self.beta_slow:
+            problems.append(("beta_fast", f"YaRN needs beta_fast > beta_slow, got {self.beta_fast} <= {self.beta_slow}"))
         if self.moe_router_score_function not in SCORE_FUNCTIONS:
             problems.append(("moe_router_score_function",
                              f"must be one of {SCORE_FUNCTIONS}, got {self.moe_router_score_function!r}"))
-        if self.norm_epsilon <= 0:
-            problems.append(("norm_epsilon", "must be positive"))
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             problems.append(("recompute_granularity",
                              f"must be null or 'full', got {self.recompute_granularity!r}"))
-        if self.init_method_std <= 0:
-            problems.append(("init_method_std", "must be positive"))
         problems.extend(self._router_problems())
         return problems
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from model.args import ModelArgs
+from model.intervals import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_COUNT, PROBABILITY, Interval, interval_problems
 from moe_train.data.blend import parse_blend
 from parallel.pipeline.builders import SCHEDULES
 from parallel.pipeline.builders.zb_auto import parse_zb_costs
@@ -400,6 +400,42 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
+# Every numeric key's allowed values, by section (the model section's are in model.args.INTERVALS).
+INTERVALS: dict[str, dict[str, Interval]] = {
+    "parallel": {
+        **dict.fromkeys(("pp", "ep", "virtual_stages"), POSITIVE_COUNT),
+        **dict.fromkeys(("gpus_per_node", "nproc_per_node"), Interval(low=1, optional=True)),
+        **dict.fromkeys(("first_stage_layers", "last_stage_layers"), Interval(low=0, optional=True)),
+        "timeout_s": Interval(low=0, low_open=True, unit="seconds"),
+        "comm_sms": Interval(low=2),  # and even: 2 SMs per channel
+        "zb_memory_limit": Interval(low=1, optional=True),
+        "zb_measure_steps": Interval(low=2),  # the first step is not timed
+    },
+    "train": {
+        **dict.fromkeys(("steps", "global_batch_size", "micro_batch_size", "seq_length", "log_interval", "eval_iters",
+                         "max_skipped_steps"), POSITIVE_COUNT),
+        "seed": Interval(low=0, high=2**63, high_open=True),
+        "eval_interval": COUNT,  # 0: no validation
+        "threads": Interval(low=1, optional=True),  # null: torch's choice
+        "peak_tflops": POSITIVE,
+    },
+    "optim": {
+        **dict.fromkeys(("lr", "min_lr", "weight_decay", "clip_grad", "lr_tail", "bias_update_rate_final",
+                         "mtp_loss_scale_final"), NON_NEGATIVE),  # clip_grad 0: no clipping
+        **dict.fromkeys(("adam_beta1", "adam_beta2"), PROBABILITY),
+        "adam_eps": POSITIVE,
+        **dict.fromkeys(("lr_warmup_steps", "lr_constant_steps", "lr_tail_steps"), COUNT),
+        "lr_decay_steps": Interval(low=1, optional=True),  # null: the rest of training
+        **dict.fromkeys(("bias_update_switch_step", "mtp_loss_switch_step"), Interval(low=0, optional=True)),
+    },
+    "data": {
+        "valid_fraction": Interval(low=0, high=1, high_open=True, optional=True),
+        "demo_max_bytes": Interval(low=1, optional=True),
+    },
+    "checkpoint": {"interval": COUNT, "keep": POSITIVE_COUNT},  # interval 0: only at the end
+}
+
+
 def _choice(problems: list, key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         problems.append((key, f"must be one of {', '.join(options)}; got {value!r}" + _did_you_mean(value, list(options))))
@@ -409,10 +445,8 @@ def validate(config: Config) -> list[tuple[str, str]]:
     """Cross-field checks that do not need the process layout (that is checked at start-up)."""
     problems = [(f"model.{key}", message) for key, message in config.model.validate()]
     t, o, p, c = config.train, config.optim, config.parallel, config.checkpoint
-    for key in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "log_interval", "eval_iters",
-                "max_skipped_steps"):
-        if getattr(t, key) <= 0:
-            problems.append((f"train.{key}", f"must be positive, got {getattr(t, key)}"))
+    for section, intervals in INTERVALS.items():
+        problems += interval_problems(getattr(config, section), intervals, f"{section}.")
     if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
         problems.append(("train.global_batch_size",
                          f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"))
@@ -428,45 +462,22 @@ def validate(config: Config) -> list[tuple[str, str]]:
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
     _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
-    for key in ("lr", "min_lr", "weight_decay", "lr_warmup_steps", "lr_constant_steps", "lr_tail_steps", "lr_tail",
-                "clip_grad"):
-        value = getattr(o, key)
-        if not math.isfinite(value) or value < 0:  # (nan < 0 is False: a NaN would pass a plain range check)
-            problems.append((f"optim.{key}", f"must be a finite number >= 0, got {value}"))
-    if t.threads is not None and t.threads < 1:
-        problems.append(("train.threads", f"must be >= 1 (or unset for torch's choice), got {t.threads}"))
-    if not math.isfinite(t.peak_tflops) or t.peak_tflops <= 0:
-        problems.append(("train.peak_tflops", f"must be a finite number > 0, got {t.peak_tflops}"))
     if o.min_lr > o.lr:
         problems.append(("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}"))
-    for key in ("pp", "ep", "virtual_stages"):
-        if getattr(p, key) < 1:
-            problems.append((f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}"))
     if p.ep >= 1 and config.model.num_moe_experts % p.ep:
         problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
-    if p.comm_sms < 2 or p.comm_sms % 2:
-        problems.append(("parallel.comm_sms", f"must be an even number >= 2 (2 SMs per channel), got {p.comm_sms}"))
-    if p.zb_memory_limit is not None and not (math.isfinite(p.zb_memory_limit) and p.zb_memory_limit >= 1):
-        problems.append(("parallel.zb_memory_limit", f"must be a finite number >= 1, got {p.zb_memory_limit}"))
+    if p.comm_sms % 2:
+        problems.append(("parallel.comm_sms", f"must be even (2 SMs per channel), got {p.comm_sms}"))
     if p.zb_costs is not None:
         try:
             parse_zb_costs(p.zb_costs)
         except ValueError as err:
             problems.append(("parallel.zb_costs", str(err).removeprefix("zb_costs: ")))
-    if p.zb_measure_steps < 2:
-        problems.append(("parallel.zb_measure_steps", f"must be >= 2 (the first step is not timed), got "
-                                                      f"{p.zb_measure_steps}"))
     for key in ("zb_memory_limit", "zb_costs"):
         if getattr(p, key) is not None and p.schedule != "zb-auto":
             problems.append((f"parallel.{key}", f"applies to parallel.schedule=zb-auto only, got {p.schedule!r}"))
-    if not math.isfinite(p.timeout_s) or p.timeout_s <= 0:
-        problems.append(("parallel.timeout_s", f"must be a finite number of seconds > 0, got {p.timeout_s}"))
     if config.logging.overwrite and c.resume != "none":
         problems.append(("logging.overwrite", f"true needs checkpoint.resume=none, got {c.resume!r}"))
-    if c.keep < 1:
-        problems.append(("checkpoint.keep", f"must be >= 1, got {c.keep}"))
-    if c.interval < 0:
-        problems.append(("checkpoint.interval", f"must be >= 0, got {c.interval}"))
     problems.extend(_data_problems(config.data))
     _choice(problems, "logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
     return problems
@@ -480,8 +491,6 @@ def _data_problems(data: DataConfig) -> list[tuple[str, str]]:
                 parse_blend(getattr(data, key))
             except ValueError as err:
                 problems.append((f"data.{key}", str(err)))
-    if data.valid_fraction is not None and not 0 <= data.valid_fraction < 1:
-        problems.append(("data.valid_fraction", "must be in [0, 1)"))
     if data.valid_fraction is not None and data.valid_path is not None:
         problems.append(("data.valid_path", "is set together with data.valid_fraction; validation data comes "
                                             "from one of them: unset the other"))

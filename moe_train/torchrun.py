@@ -13,7 +13,10 @@ the workers have ended changes nothing.
 When workers fail, torchrun raises `ChildFailedError`, a traceback and a table, and exits 1. Here the
 workers' own status is passed on instead: 2, 3 or 4 (moe_train.exit_codes) when every failed worker
 ended so, having said why in its one line; otherwise 1, with one line per failed worker naming its
-rank, pid and exit code or signal.
+rank, pid and exit code or signal. When the operating system refuses to start a worker (fork fails
+for lack of memory or processes), torchrun raises that OSError and would leave the workers it had
+already started waiting 60 s for a rendezvous that never comes: here they are killed, and one line
+says what the system refused (exit 1).
 """
 from __future__ import annotations
 
@@ -91,6 +94,15 @@ def main(argv: list[str]) -> None:
             for rank, failure in failures:
                 print(describe_failure(rank, failure.local_rank, failure.pid, failure.exitcode), file=sys.stderr)
         raise SystemExit(status) from None
+    except OSError as err:
+        for pid in child_pids(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        print(f"error: the workers could not be started: {err}; the ones already started were stopped",
+              file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         ignore_stop_signals()
 

@@ -120,7 +120,7 @@ def even_stages(args: ModelArgs, num_stages: int, first: Optional[int] = None,
         raise ValueError("first and last stage layer counts differ but there is one stage")
     rest = args.num_layers - sum(c for c in counts if c is not None)
     free = counts.count(None)
-    if rest < 0 or (free == 0 and rest) or (free and rest % free):
+    if any(c is not None and c < 0 for c in counts) or rest < 0 or (free == 0 and rest) or (free and rest % free):
         raise ValueError(f"cannot split {args.num_layers} layers into {num_stages} stages "
                          f"(first {first}, last {last}); give parallel.pipeline_layout")
     counts = [rest // free if c is None else c for c in counts]

@@ -89,3 +89,32 @@ def test_a_locked_run_dir_stops_every_rank_with_one_line(tmp_path):
     assert out.count(f"error: logging.dir: {run} is in use by another run (pid {os.getpid()} on ") == 1, out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_worker_the_system_refuses_to_start_leaves_no_orphan(tmp_path):
+    """fork fails for the third of 4 workers (EAGAIN, as under memory or process limits): one line, exit 1,
+    and the two workers already started are stopped (torchrun left them waiting 60 s for the rendezvous)."""
+    run = tmp_path / "run"
+    script = f"""
+import sys
+import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler as handler
+from moe_train import torchrun
+real, started = handler.Popen, []
+def popen(*args, **kwargs):
+    if len(started) == 2:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    started.append(real(*args, **kwargs))
+    return started[-1]
+handler.Popen = popen
+torchrun.main(sys.argv[1:])
+"""
+    args = [sys.executable, "-c", script, "--standalone", "--nproc-per-node", "4", "-m", "moe_train.train",
+            "--config", "moe_train/configs/tiny.yaml", "--set", f"logging.dir={run}", "--set", "train.micro_batch_size=2"]
+    proc = subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert ("error: the workers could not be started: [Errno 11] Resource temporarily unavailable; the ones already "
+            "started were stopped") in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    time.sleep(1)
+    orphans = subprocess.run(["pgrep", "-f", f"logging.dir={run}"], capture_output=True, text=True).stdout.split()
+    assert not orphans, f"workers left running: {orphans}"

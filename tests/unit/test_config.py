@@ -56,7 +56,7 @@ def test_wrong_types_name_the_key():
     (["model.rope_type=ntk"], "model.rope_type", "must be one of"),
     (["parallel.dispatcher=nccl"], "parallel.dispatcher", "must be one of"),
     (["parallel.ep=3"], "parallel.ep", "not divisible"),
-    (["parallel.comm_sms=7"], "parallel.comm_sms", "even number"),
+    (["parallel.comm_sms=7"], "parallel.comm_sms", "must be even (2 SMs per channel)"),
     (["train.seq_length=8192"], "train.seq_length", "max_position_embeddings"),
     (["train.compile=full"], "train.compile", "must be one of none, regions, model"),
     (["train.compile=regions", "parallel.pp=2"], "train.compile", "needs parallel.pp=1"),
@@ -82,8 +82,8 @@ def test_section_must_be_mapping(tmp_path):
 
 # Values a probe found giving a traceback or accepted silently: each stops at load with one line naming the key.
 BAD_VALUES = [
-    ("train.threads=-1", "train.threads", "must be >= 1"),
-    ("train.threads=0", "train.threads", "must be >= 1"),
+    ("train.threads=-1", "train.threads", "must be an integer >= 1, or null"),
+    ("train.threads=0", "train.threads", "must be an integer >= 1, or null"),
     ("parallel.timeout_s=inf", "parallel.timeout_s", "finite number of seconds"),
     ("parallel.timeout_s=0", "parallel.timeout_s", "finite number of seconds"),
     ("optim.lr=nan", "optim.lr", "finite number >= 0, got nan"),
@@ -91,7 +91,7 @@ BAD_VALUES = [
     ("optim.clip_grad=-1", "optim.clip_grad", "finite number >= 0, got -1"),
     ("optim.weight_decay=inf", "optim.weight_decay", "finite number >= 0, got inf"),
     ("train.peak_tflops=0", "train.peak_tflops", "finite number > 0"),
-    ("train.max_skipped_steps=0", "train.max_skipped_steps", "must be positive"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps", "must be an integer >= 1"),
 ]
 
 

@@ -53,6 +53,9 @@ def test_first_and_last_stage_counts():
         stage_specs(ARGS, 3)
     with pytest.raises(ValueError, match="not both"):
         stage_specs(ARGS, 2, "Ett|ttmL", first=2)
+    for first, last in ((-1, None), (None, -2), (5, -1)):  # a negative count gave a stage of layers -1, 0, ...
+        with pytest.raises(ValueError, match="cannot split"):
+            stage_specs(ARGS, 2, first=first, last=last)
 
 
 def test_stages_keep_global_names_and_initialisation():
