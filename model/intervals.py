@@ -26,13 +26,13 @@ class Interval:
 
     def describe(self, integer: bool) -> str:
         what = ("an integer" if integer else "a finite number") + (f" of {self.unit}" if self.unit else "")
+        low, high = _bound_text(self.low), _bound_text(self.high)
         if self.low is not None and self.high is not None:
-            return (f"{what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-                    f"{')' if self.high_open else ']'}")
+            return f"{what} in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         if self.low is not None:
-            return f"{what} {'>' if self.low_open else '>='} {self.low:g}"
+            return f"{what} {'>' if self.low_open else '>='} {low}"
         if self.high is not None:
-            return f"{what} {'<' if self.high_open else '<='} {self.high:g}"
+            return f"{what} {'<' if self.high_open else '<='} {high}"
         return what
 
     def contains(self, value: float) -> bool:
@@ -49,6 +49,12 @@ class Interval:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.contains(value):
             return f"must be {self.describe(isinstance(value, int))}{', or null' if self.optional else ''}, got {value}"
         return None
+
+
+def _bound_text(bound: Optional[float]) -> str:
+    if bound is None:
+        return ""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 POSITIVE_COUNT = Interval(low=1)

@@ -380,7 +380,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         except OSError as err:
             raise ConfigError([("<file>", f"cannot read: {err.strerror}")], source) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=UniqueKeyLoader)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<file>"
@@ -434,6 +434,21 @@ INTERVALS: dict[str, dict[str, Interval]] = {
     },
     "checkpoint": {"interval": COUNT, "keep": POSITIVE_COUNT},  # interval 0: only at the end
 }
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping: PyYAML keeps the last one
+    silently, so an edit lower in a long config would override a value the user is looking at."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first_line[key] + 1})", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 def _choice(problems: list, key: str, value: str, options: tuple[str, ...]) -> None:

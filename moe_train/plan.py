@@ -221,7 +221,8 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
     offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
     (make_plan builds the stages' modules, too slow for a model that is far too large): parameters,
     gradients and Adam state (16 bytes each) as if spread evenly over all `world` processes, plus one
-    micro-batch's activations of the first stage's layers unless they are recomputed."""
+    micro-batch's activations of the first stage's layers unless they are recomputed, plus the token
+    rows of a step's micro-batches on this rank (int64, read before the step starts)."""
     a, t, pp = config.model, config.train, config.parallel.pp
     counts = count_parameters(a)
     states = 16 * (counts.total + counts.mtp_total) / world
@@ -231,13 +232,16 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
         experts = max(1, a.num_moe_experts // config.parallel.ep)
         first = range(-(-a.num_layers // pp))
         activations = sum(layer_memory(a, a.is_moe_layer(i), tokens, t.precision, experts).kept for i in first)
-    need = (states + activations) / GIB
+    rows = 8 * (t.seq_length + 1) * t.global_batch_size / max(1, world // pp)
+    need = (states + activations + rows) / GIB
     if need <= available.gib:
         return []
     return [("memory", f"{memory}: each process needs at least {need:.1f} GiB (parameters, gradients and Adam "
-                       f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB) "
+                       f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB, "
+                       f"a step's token rows {rows / GIB:.1f} GiB) "
                        f"but {available.gib:.1f} GiB is available per process, bounded by {available.source}; use a smaller model, more processes, "
-                       "model.recompute_granularity=full, or a smaller train.micro_batch_size or train.seq_length")]
+                       "model.recompute_granularity=full, or a smaller train.micro_batch_size, train.global_batch_size or "
+                       "train.seq_length")]
 
 
 def format_plan(plan: ClusterPlan) -> str:

@@ -537,13 +537,17 @@ def collective_failure_line(err: RuntimeError, topology: Topology | None, when: 
 
 def refuse_at_start_up(config: Config, topology: Topology | None, processes_here: int) -> None:
     """What this machine refuses of `config` before anything is allocated or written, as a ConfigError:
-    a wandb project without the package, `train.device=cuda` without CUDA, a dispatcher that cannot run,
+    a wandb project without the package, more `train.threads` than CPUs (torch crashes on thousands),
+    `train.device=cuda` without CUDA, a dispatcher that cannot run,
     and a model or batch that cannot fit the memory one of `processes_here` local processes may use
     (moe_train.memory_limits). The launcher runs the same checks once, before it starts any process
     (moe_train.launch_info); a process group is not needed, only the layout."""
     if config.logging.wandb_project is not None and wandb_module() is None:
         raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
                                                      "is not installed: pip install wandb, or unset the key")])
+    cpus = len(os.sched_getaffinity(0))
+    if config.train.threads is not None and config.train.threads > cpus:
+        raise ConfigError([("train.threads", f"{config.train.threads} exceeds the {cpus} CPUs this process may use")])
     device = select_device(config.train)
     choose_dispatcher(config, topology)
     world = topology.world_size if topology is not None else 1

@@ -74,6 +74,18 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
     assert str(bad) in str(err.value) and "line" in str(err.value) and "invalid YAML" in str(err.value)
 
 
+@pytest.mark.parametrize("text, line, key", [("train:\n  steps: 3\n  seed: 1\n  steps: 5\n", 4, "steps"),
+                                             ("train:\n  steps: 3\noptim:\n  lr: 0.1\ntrain:\n  seed: 4\n", 5, "train")],
+                         ids=["key", "section"])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, text, line, key):
+    """PyYAML keeps the last of two equal keys silently: the value the user reads higher up is not used."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"line {line}, column" in str(err.value) and f"key {key!r} is given twice (first on line" in str(err.value)
+
+
 def test_section_must_be_mapping(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"train": [1, 2]}))

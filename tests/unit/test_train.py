@@ -256,6 +256,7 @@ LAUNCHER_REFUSALS = {
                        "parallel: schedule dualpipev on pp=2 with 1 micro-batches"),
     "cuda-without-gpu": (["train.micro_batch_size=2", "train.device=cuda"], "train.device: cuda, but CUDA is not available"),
     "cannot-fit": (["train.micro_batch_size=2", "model.hidden_size=1000000"], "memory: cpu memory: each process needs at least"),
+    "too-many-threads": (["train.micro_batch_size=2", "train.threads=8192"], "train.threads: 8192 exceeds the"),
     "deepep-missing": (["train.micro_batch_size=2", "parallel.dispatcher=deepep"], "parallel.dispatcher: 'deepep' cannot run here"),
 }
 
@@ -279,8 +280,9 @@ def test_launcher_refuses_what_the_trainer_would_before_starting_any_process(tmp
 
 
 @pytest.mark.parametrize("overrides", [["model.num_layers=100000"], ["model.hidden_size=1000000"],
-                                       ["train.micro_batch_size=65536", "train.global_batch_size=65536"]],
-                         ids=["layers", "width", "batch"])
+                                       ["train.micro_batch_size=65536", "train.global_batch_size=65536"],
+                                       ["train.global_batch_size=1000000000000"]],
+                         ids=["layers", "width", "batch", "step-batch"])
 def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, capsys, overrides):
     code = main(["--config", TINY, "--set", f"logging.dir={tmp_path / 'run'}", *(x for o in overrides for x in ("--set", o))])
     err = capsys.readouterr().err
