@@ -55,22 +55,34 @@ def machine_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, st
     return []
 
 
+def positive_count(name: str, text: str) -> int:
+    """`text` as a count >= 1, else a ConfigError naming `name` (an environment variable of the launcher)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError([(name, f"must be a whole number >= 1, got {text!r}")])
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_train.launch_info", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--nproc-per-node", type=int, default=None)
+    parser.add_argument("--nodes", default="1")
+    parser.add_argument("--nproc-per-node", default=None)
     parser.add_argument("--log-dir", action="store_true", help="also print logging.dir on a second line")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     try:
+        if unknown:
+            raise ConfigError([("arguments", f"unknown {' '.join(map(repr, unknown))}: the launcher takes [CONFIG] "
+                                             "[--set section.key=value ...] [--print-config] [--help]")])
+        nodes = positive_count("the node count (SLURM_NNODES)", args.nodes)
+        explicit = None if args.nproc_per_node is None else positive_count("NPROC_PER_NODE", args.nproc_per_node)
         config = load_config(args.config, args.overrides)
-        nproc = args.nproc_per_node or config.parallel.nproc_per_node or 1
-        if nproc * args.nodes > 1 or config.parallel.ep > 1 or config.parallel.pp > 1:
-            problems = (layout_errors(config, args.nodes, nproc) or pipeline_errors(config, args.nodes, nproc)
-                        or machine_errors(config, args.nodes, nproc))
+        nproc = explicit or config.parallel.nproc_per_node or 1
+        if nproc * nodes > 1 or config.parallel.ep > 1 or config.parallel.pp > 1:
+            problems = (layout_errors(config, nodes, nproc) or pipeline_errors(config, nodes, nproc)
+                        or machine_errors(config, nodes, nproc))
             if problems:
-                raise ConfigError(problems, f"{args.nodes} node(s) x {nproc} process(es)")
+                raise ConfigError(problems, f"{nodes} node(s) x {nproc} process(es)")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

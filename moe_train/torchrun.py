@@ -20,6 +20,7 @@ says what the system refused (exit 1).
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -79,9 +80,15 @@ def describe_failure(rank: int, local_rank: int, pid: int, exit_code: int) -> st
     return f"error: worker rank {rank} (local rank {local_rank}, pid {pid}) {ending}"
 
 
+def not_a_failure_report(record: logging.LogRecord) -> bool:
+    """Drops torchrun's own "failed (exitcode: ...)" line: the failure is said once, by the worker or below."""
+    return not str(record.msg).startswith("failed (exitcode")
+
+
 def main(argv: list[str]) -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, forward_to_workers)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_a_failure_report)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 

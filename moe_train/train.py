@@ -26,6 +26,8 @@ from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_conf
 from moe_train.config_help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
                             describe_draws, load_tokenizer)
+from moe_train.data.blend import parse_blend
+from moe_train.data.indexed_dataset import bin_path, idx_path
 from moe_train.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.optim import build_optimizer, set_learning_rate
@@ -535,16 +537,39 @@ def collective_failure_line(err: RuntimeError, topology: Topology | None, when: 
     return f"error: rank {rank}: a collective failed {when} ({reason}): a peer process died or the network broke"
 
 
+def input_problems(config: Config) -> list[tuple[str, str]]:
+    """The files the run reads that are missing or unusable, checked without reading them: each data
+    prefix's .bin and .idx, a tokenizer.json, and the checkpoint `checkpoint.resume` selects."""
+    problems = []
+    d = config.data
+    for key in ("path", "valid_path"):
+        spec = getattr(d, key)
+        for _, prefix in parse_blend(spec) if spec is not None else []:
+            missing = [path for path in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(path)]
+            if missing:
+                problems.append((f"data.{key}", f"dataset file not found: {', '.join(missing)}"))
+    if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
+        problems.append(("data.tokenizer", f"{d.tokenizer} is not a file (give 'byte' or a tokenizer.json)"))
+    try:
+        resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
+    except CheckpointError as err:
+        problems.append(("checkpoint.resume", str(err).removeprefix("checkpoint.resume: ")))
+    return problems
+
+
 def refuse_at_start_up(config: Config, topology: Topology | None, processes_here: int) -> None:
     """What this machine refuses of `config` before anything is allocated or written, as a ConfigError:
     a wandb project without the package, more `train.threads` than CPUs (torch crashes on thousands),
-    `train.device=cuda` without CUDA, a dispatcher that cannot run,
+    `train.device=cuda` without CUDA, a dispatcher that cannot run, inputs that are not there (input_problems),
     and a model or batch that cannot fit the memory one of `processes_here` local processes may use
     (moe_train.memory_limits). The launcher runs the same checks once, before it starts any process
     (moe_train.launch_info); a process group is not needed, only the layout."""
     if config.logging.wandb_project is not None and wandb_module() is None:
         raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
                                                      "is not installed: pip install wandb, or unset the key")])
+    problems = input_problems(config)
+    if problems:
+        raise ConfigError(problems)
     cpus = len(os.sched_getaffinity(0))
     if config.train.threads is not None and config.train.threads > cpus:
         raise ConfigError([("train.threads", f"{config.train.threads} exceeds the {cpus} CPUs this process may use")])

@@ -33,7 +33,7 @@ def test_bad_batch_split_is_refused_before_work(tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 2, out[-3000:]  # the workers' status, not torchrun's 1
     assert "train.global_batch_size: 8 is not a multiple of train.micro_batch_size=4 x dp=4" in out
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "failed (exitcode" not in out, out[-3000:]
 
 
 def test_four_processes_two_simulated_nodes(tmp_path):
@@ -87,7 +87,7 @@ def test_a_locked_run_dir_stops_every_rank_with_one_line(tmp_path):
         lock.release()
     assert proc.returncode == 2, out[-3000:]
     assert out.count(f"error: logging.dir: {run} is in use by another run (pid {os.getpid()} on ") == 1, out[-3000:]
-    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out and "failed (exitcode" not in out, out[-3000:]
     assert not (run / "metrics.jsonl").exists()
 
 

@@ -257,6 +257,12 @@ LAUNCHER_REFUSALS = {
     "cuda-without-gpu": (["train.micro_batch_size=2", "train.device=cuda"], "train.device: cuda, but CUDA is not available"),
     "cannot-fit": (["train.micro_batch_size=2", "model.hidden_size=1000000"], "memory: cpu memory: each process needs at least"),
     "too-many-threads": (["train.micro_batch_size=2", "train.threads=8192"], "train.threads: 8192 exceeds the"),
+    "data-missing": (["train.micro_batch_size=2", "data.path=/nonexistent/prefix"],
+                     "data.path: dataset file not found: /nonexistent/prefix.idx, /nonexistent/prefix.bin"),
+    "resume-missing": (["train.micro_batch_size=2", "checkpoint.resume=/nonexistent"],
+                       "checkpoint.resume: /nonexistent does not exist"),
+    "tokenizer-missing": (["train.micro_batch_size=2", "data.tokenizer=/nonexistent.json"],
+                          "data.tokenizer: /nonexistent.json is not a file"),
     "deepep-missing": (["train.micro_batch_size=2", "parallel.dispatcher=deepep"], "parallel.dispatcher: 'deepep' cannot run here"),
 }
 
@@ -277,6 +283,23 @@ def test_launcher_refuses_what_the_trainer_would_before_starting_any_process(tmp
     assert len(lines) == 1 and lines[0].startswith("error: 1 node(s) x 4 process(es): ") and message in lines[0], \
         bad.stderr
     assert not bad.stdout and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("nproc, args, message", [
+    ("-2", [], "error: NPROC_PER_NODE: must be a whole number >= 1, got '-2'"),
+    ("0", [], "error: NPROC_PER_NODE: must be a whole number >= 1, got '0'"),  # ran one process
+    ("abc", [], "error: NPROC_PER_NODE: must be a whole number >= 1, got 'abc'"),
+    ("1", ["--bogus"], "error: arguments: unknown '--bogus': the launcher takes [CONFIG] [--set"),
+], ids=["negative", "zero", "not-a-number", "unknown-argument"])
+def test_launcher_arguments_that_make_no_sense_are_named(tmp_path, nproc, args, message):
+    """Were: an AssertionError traceback (-2), one process started (0), and the usage of the internal
+    launch_info tool with options the user never typed (abc, --bogus)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPROC_PER_NODE": nproc, "PYTHON": sys.executable}
+    env.pop("SLURM_JOB_ID", None)
+    bad = subprocess.run(["bash", "scripts/pretrain_dsv3.sh", TINY, *args, "--set", f"logging.dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [bad.stderr.strip()], bad.stderr
+    assert bad.stderr.startswith(message) and not (tmp_path / "run").exists(), bad.stderr
 
 
 @pytest.mark.parametrize("overrides", [["model.num_layers=100000"], ["model.hidden_size=1000000"],
