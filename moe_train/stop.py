@@ -8,7 +8,8 @@ later was already in step 6's collectives: a deadlock.) The vote costs one more 
 existing all-reduce and a host read that waits for that all-reduce only, not for the optimizer
 step queued after it.
 
-A second SIGINT (Ctrl-C twice) ends the process at once, without a save.
+A second SIGINT (Ctrl-C twice) ends the process at once, without a save. A signal that came while
+the process started up (moe_train.stop_signals.EarlySignals) is taken over with `note`.
 """
 from __future__ import annotations
 
@@ -19,14 +20,7 @@ from typing import Iterator
 
 import torch
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-def ignore_stop_signals() -> None:
-    """Ignore stop signals from now on: for a process whose outcome is decided. Python's finalization
-    gives handled signals their default action back, so a late SIGTERM would end it by the signal."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+from moe_train.stop_signals import STOP_SIGNALS
 
 
 class StopRequest:
@@ -42,6 +36,10 @@ class StopRequest:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._note)
         return self
+
+    def note(self, signum: int) -> None:
+        """Take `signum` as received now (one noted before the handlers were installed)."""
+        self._note(signum, None)
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[StopRequest]:

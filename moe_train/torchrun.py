@@ -8,7 +8,10 @@ trainer's agreed stop: every rank saves the same step and exits 0) and torchrun 
 so it exits 0 when all of them do. A Ctrl-C reaches torchrun only (its workers run in sessions of
 their own), so each worker sees it once and a second Ctrl-C still aborts. SIGHUP and SIGQUIT keep
 torchrun's own teardown. A stop signal before any worker has started ends torchrun at once; one after
-the workers have ended changes nothing.
+the workers have ended changes nothing. A worker gets the signal only once its trainer notes stop
+signals (its SigCgt shows SIGTERM and SIGUSR1 caught): one still importing torch would end by
+SIGTERM or SIGUSR1, or print a KeyboardInterrupt traceback, so the signal waits for it; the run
+then stops after its first step, which every rank saves.
 
 When workers fail, torchrun raises `ChildFailedError`, a traceback and a table, and exits 1. Here the
 workers' own status is passed on instead: 2, 3 or 4 (moe_train.exit_codes) when every failed worker
@@ -24,10 +27,12 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from types import FrameType
 
 from moe_train.exit_codes import OWN_EXIT_STATUSES
-from moe_train.stop import STOP_SIGNALS, ignore_stop_signals
+from moe_train.stop_signals import STOP_SIGNALS, ignore_stop_signals
 
 TORCHRUN_HANDLES = "SIGHUP,SIGQUIT"  # torchrun --signals-to-handle: what its own teardown still answers
 
@@ -52,19 +57,57 @@ def workers_have_ended() -> bool:
     return times.children_user + times.children_system > 0
 
 
-def forward_to_workers(signum: int, _frame: FrameType | None) -> None:
-    workers = child_pids(os.getpid())
-    if not workers and workers_have_ended():
-        return  # torchrun is winding down after its workers: their outcome stands
-    if not workers:
-        print(f"{signal.Signals(signum).name} before any worker started: nothing to save, stopping",
-              file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
-    for pid in workers:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:  # it has just exited
-            pass
+def catches(pid: int, signums: tuple[int, ...]) -> bool:
+    """Whether process `pid` has a handler for each of `signums` (the SigCgt mask of /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            line = next(line for line in status if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    mask = int(line.split()[1], 16)
+    return all(mask >> (signum - 1) & 1 for signum in signums)
+
+
+class SignalForwarder:
+    """Each stop signal this process receives, passed on to every worker once the worker notes them."""
+
+    READY = (signal.SIGTERM, signal.SIGUSR1)  # caught by a worker's trainer (Python itself catches SIGINT)
+
+    def __init__(self, poll_s: float = 0.05) -> None:
+        self.received: list[int] = []  # appended by the handler (main thread), read by the forwarding thread
+        self.delivered: dict[int, int] = {}  # worker pid -> how many of `received` it has been sent
+        self.poll_s = poll_s
+
+    def start(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self.note)
+        threading.Thread(target=self._forward, name="stop-signal forwarder", daemon=True).start()
+
+    def note(self, signum: int, _frame: FrameType | None) -> None:
+        workers = child_pids(os.getpid())
+        if not workers and workers_have_ended():
+            return  # torchrun is winding down after its workers: their outcome stands
+        if not workers:
+            print(f"{signal.Signals(signum).name} before any worker started: nothing to save, stopping",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        self.received.append(signum)
+
+    def _forward(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            count = len(self.received)
+            if not count:
+                continue
+            for pid in child_pids(os.getpid()):
+                sent = self.delivered.get(pid, 0)
+                if sent < count and catches(pid, self.READY):
+                    for signum in self.received[sent:count]:
+                        try:
+                            os.kill(pid, signum)
+                        except ProcessLookupError:  # it has just exited
+                            break
+                    self.delivered[pid] = count
 
 
 def failure_status(exit_codes: list[int]) -> int:
@@ -86,8 +129,7 @@ def not_a_failure_report(record: logging.LogRecord) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, forward_to_workers)
+    SignalForwarder().start()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(not_a_failure_report)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

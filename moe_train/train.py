@@ -39,7 +39,8 @@ from moe_train.zb_measure import WARMUP_SCHEDULE, ZbCostMeter, measures_zb_costs
 from moe_train.runtime import (autocast, compile_model, configure_threads, device_type,
                                seed_everything, select_device)
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
-from moe_train.stop import StopRequest, ignore_stop_signals
+from moe_train.stop import StopRequest
+from moe_train.stop_signals import ignore_stop_signals
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.failures import collective_failure

@@ -24,7 +24,8 @@
 # from the latest checkpoint of the run.
 # Stop: SIGTERM, SIGUSR1 or Ctrl-C, to this launcher or to any one worker, stops every rank after
 # the same step, which they save; then everything exits 0 (torchrun runs as moe_train.torchrun,
-# which passes these signals on to its workers). A second Ctrl-C aborts without a save.
+# which passes these signals on to its workers, each running moe_train.worker: the trainer with
+# these signals noted from its first instant). A second Ctrl-C aborts without a save.
 #SBATCH --job-name=moe-train
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
@@ -78,9 +79,19 @@ fi
 NNODES=1
 [ -n "$IN_SLURM" ] && NNODES=${SLURM_NNODES:-1}
 
-# Resolve and validate the config and the process layout before starting any process.
+# Resolve and validate the config and the process layout before starting any process. A stop
+# signal meanwhile ends the launcher once the check is done (bash runs a trap after its child):
+# nothing has started, so nothing is saved.
+stopped_before_start() {
+    echo "$1 before any worker started: nothing to save, stopping" >&2
+    exit "$2"
+}
+trap 'stopped_before_start SIGTERM 143' TERM
+trap 'stopped_before_start SIGINT 130' INT
+trap 'stopped_before_start SIGUSR1 138' USR1
 INFO=$("$PYTHON" -m moe_train.launch_info --config "$CONFIG" --nodes "$NNODES" --log-dir \
     ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} "$@") || exit 2
+trap - TERM INT USR1
 NPROC_PER_NODE=${INFO%%$'\n'*}
 LOG_ROOT=${INFO#*$'\n'}
 
@@ -114,7 +125,7 @@ if [ -n "$IN_SLURM" ]; then
     COMMAND=(srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
         "$PYTHON" -m moe_train.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
         --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"
-        -m moe_train.train --config "$CONFIG" "$@")
+        -m moe_train.worker --config "$CONFIG" "$@")
     {
         echo "job $SLURM_JOB_ID on $SLURM_JOB_NODELIST ($NNODES node(s) x $NPROC_PER_NODE process(es)), cwd $PWD"
         echo "command: ${COMMAND[*]}"
@@ -126,7 +137,7 @@ if [ -n "$IN_SLURM" ]; then
 fi
 
 if [ "$NPROC_PER_NODE" = 1 ]; then
-    exec "$PYTHON" -m moe_train.train --config "$CONFIG" "$@"
+    exec "$PYTHON" -m moe_train.worker --config "$CONFIG" "$@"
 fi
 exec "$PYTHON" -m moe_train.torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" \
-    -m moe_train.train --config "$CONFIG" "$@"
+    -m moe_train.worker --config "$CONFIG" "$@"

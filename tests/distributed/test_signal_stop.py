@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from moe_train.checkpoint import CheckpointError, iteration_dir, latest_iteration, list_iterations
-from moe_train.torchrun import child_pids
+from moe_train.torchrun import catches, child_pids
 from moe_train.train import Trainer
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -205,6 +205,43 @@ def signal_one_run(target: str, seed: int, cache_dir: str, base: Path, reference
     if problems:
         problems.append(out[-3000:])
     return Outcome(label, returncode, saved, problems, time.monotonic() - start)
+
+
+def wait_for_workers_starting_up(proc: subprocess.Popen, log: Path, deadline: float) -> list[int]:
+    """The workers once all of them note stop signals (moe_train.worker's first act) while none has
+    started training yet (the trainer's imports and set-up: seconds); [] if the moment was missed."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        workers = child_pids(proc.pid)
+        if "training " in log.read_text():
+            return []
+        if len(workers) == WORLD and all(catches(pid, (signal.SIGTERM, signal.SIGUSR1)) for pid in workers):
+            return workers
+        time.sleep(0.01)
+    return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["launcher", "worker"])
+def test_a_signal_while_the_workers_start_up_stops_after_their_first_step(corpus_cache, uninterrupted, tmp_path,
+                                                                         target):
+    """SIGUSR1 while the workers import torch and build the model: the signal is kept (to a worker: by the
+    worker's entry point; to the launcher: held until the workers note signals), every rank saves step 1
+    and exits 0, and the resumed run has the uninterrupted losses. Workers that ran moe_train.train
+    directly ended by the signal, and torchrun then stopped the others (exit 1, nothing saved)."""
+    run, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launcher(run, corpus_cache, log)
+    workers = wait_for_workers_starting_up(proc, log, time.monotonic() + RUN_LIMIT_S)
+    if not workers:
+        end_or_kill(proc, time.monotonic())
+        pytest.fail("the workers' start-up was missed: " + log.read_text()[-2000:])
+    victim = proc.pid if target == "launcher" else random.Random(len(workers)).choice(workers)
+    os.kill(victim, signal.SIGUSR1)
+    returncode = end_or_kill(proc, time.monotonic() + RUN_LIMIT_S)
+    out = log.read_text()
+    assert returncode == 0 and "Traceback" not in out, out[-3000:]
+    assert not checkpoint_problems(run) and latest_iteration(run / "checkpoints") == 1, out[-3000:]
+    assert not resume_problems(run, corpus_cache, tmp_path / "resume.log", out)
+    assert losses(run) == uninterrupted
 
 
 @pytest.fixture(scope="module")

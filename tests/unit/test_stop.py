@@ -14,7 +14,8 @@ import torch
 from moe_train.config import load_config
 from moe_train.checkpoint import latest_iteration, list_iterations
 from moe_train.host_syncs import HostSyncCounter
-from moe_train.stop import STOP_SIGNALS, StopRequest
+from moe_train.stop import StopRequest
+from moe_train.stop_signals import STOP_SIGNALS
 from moe_train.train import Trainer
 from tests.unit.test_train import ROOT, TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
 
@@ -94,3 +95,29 @@ def test_the_loop_reads_the_stop_vote_once_per_step_and_stops_after_the_signalle
     assert [s.kind for s in stop_reads] == ["item"] * 4, counter.report()
     assert latest_iteration(run / "checkpoints") == 4 and list_iterations(run / "checkpoints") == [4]
     assert records(run) == []  # stopped before the first log interval
+
+
+def test_the_launcher_holds_a_stop_signal_until_a_starting_worker_notes_it():
+    """moe_train.torchrun's forwarder: a worker that installs its handlers 1 s after it starts (as one
+    importing torch) gets the signal then, once, instead of being ended by it. Run in a fresh process,
+    whose only child is that worker (the forwarder signals every child of its process)."""
+    script = """
+import signal, subprocess, sys, time
+from moe_train.torchrun import SignalForwarder
+worker = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys, time\\n"
+    "got = []\\n"
+    "time.sleep(1.0)\\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\\n"
+    "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\\n"
+    "time.sleep(1.5)\\n"
+    "print('got', got)\\n"], stdout=subprocess.PIPE, text=True)
+forwarder = SignalForwarder(poll_s=0.02)
+forwarder.start()
+time.sleep(0.3)
+forwarder.note(signal.SIGUSR1, None)
+out, _ = worker.communicate(timeout=30)
+print(worker.returncode, out.strip())
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == f"0 got [{int(signal.SIGUSR1)}]", res.stdout + res.stderr
