@@ -19,6 +19,7 @@ removed by the next save. Checkpoints are trusted input: DCP's own metadata is a
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import os
 import random
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from moe_train.data.atomic import fsync_dir
@@ -53,6 +56,29 @@ _RENAME_EXCHANGE = 2
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, found or loaded; the message names the path or tensor."""
+
+
+def corrupt_file(file: Path, err: BaseException) -> CheckpointError:
+    """The one line for a checkpoint file that cannot be unpickled; torch's own message names no file and
+    may suggest weights_only=False, which would run whatever code a damaged or foreign file holds."""
+    return CheckpointError(f"{file} is corrupt or not a checkpoint of this program ({type(err).__name__})")
+
+
+class NamingReader(dcp.FileSystemReader):
+    """DCP's reader, one data file at a time, so that a file that cannot be read is named (`corrupt_file`)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as err:  # any unpickling or archive failure means a corrupt file
+                raise corrupt_file(Path(self.path) / name, err) from err
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 def iteration_dir(root: str | os.PathLike, step: int) -> Path:
@@ -172,7 +198,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     state = _full_state_dict(model, None if weights_only else optimizer)
     read_back = on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
                               process_group, f"loading {path}")
-    on_all_ranks(lambda: quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(path),
+    on_all_ranks(lambda: quiet_dcp(dcp.load, state, storage_reader=NamingReader(path),
                                      process_group=process_group), process_group, f"loading {path}")
     if weights_only:
         return {}
@@ -257,7 +283,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # any unpickling failure means a corrupt file
-        raise CheckpointError(f"{metadata_path}: corrupt checkpoint metadata ({type(err).__name__}: {err})") from err
+        raise corrupt_file(metadata_path, err) from err
 
 
 def _tmp_name(path: Path) -> Path:
@@ -274,9 +300,11 @@ def _global_rank() -> int:
 
 def _one_line(error: BaseException) -> str:
     """`Type: first line`; for DCP's CheckpointException (a BaseException holding each rank's
-    exception and traceback) that of the first failed rank's exception."""
+    exception and traceback) that of the first failed rank's exception, a CheckpointError's as it is."""
     if isinstance(error, CheckpointException) and error.failures:
         error, _trace = next(iter(error.failures.values()))
+    if isinstance(error, CheckpointError):  # raised inside DCP, already one line
+        return str(error)
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
@@ -501,7 +529,7 @@ def _read_extra(path: Path) -> dict:
     except FileNotFoundError as err:
         raise CheckpointError(f"{file} is missing") from err
     except Exception as err:  # any unpickling failure means a corrupt file
-        raise CheckpointError(f"{file}: corrupt ({type(err).__name__}: {err})") from err
+        raise corrupt_file(file, err) from err
 
 
 def _read_rng(path: Path) -> dict | None:
@@ -513,4 +541,4 @@ def _read_rng(path: Path) -> dict | None:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # any unpickling failure means a corrupt file
-        raise CheckpointError(f"{file}: corrupt ({type(err).__name__}: {err})") from err
+        raise corrupt_file(file, err) from err

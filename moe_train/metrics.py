@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from moe_train.data.atomic import temp_path_for
+from moe_train.data.errors import DataError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -38,31 +39,54 @@ def console_line(m: dict[str, Any], total_steps: int) -> str:
 
 
 class LogWriteError(RuntimeError):
-    """A log file that cannot be written or read back; the message names the path and the error."""
+    """A log file that cannot be written; the message names the path and the error (exit 4)."""
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Drop records past `step` (a resumed run rewrites them), replacing the file atomically.
+class MetricsFileError(DataError):
+    """A metrics.jsonl read back on resume holds a line that is not one of this program's records: bad
+    input (exit 2), named by file and line, so the user can fix or move it rather than lose it."""
+
+
+def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of each record in `path`, a metrics.jsonl; MetricsFileError names the first line
+    that is not UTF-8 or not a record (a JSON object with an integer "step").
 
     A torn last line (a run stopped while writing it, or a full disk) is dropped with a warning.
     """
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = []
-    for number, line in enumerate(lines, 1):
+    lines = [(number, raw) for number, raw in enumerate(path.read_bytes().split(b"\n"), 1) if raw.strip()]
+    records = []
+    for number, raw in lines:
         try:
+            line = raw.decode()
             record = json.loads(line)
+        except UnicodeDecodeError as err:
+            raise MetricsFileError(f"{path}: line {number} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                                   f"fix or move the file") from None
         except json.JSONDecodeError as err:
-            if number < len(lines):
-                raise LogWriteError(f"{path}: line {number} is not a JSON record ({err}); fix or move the file") from None
+            if number < lines[-1][0]:
+                raise MetricsFileError(f"{path}: line {number} is not a JSON record ({err}); fix or move the file") \
+                    from None
             print(f"warning: {path}: dropped a torn last line ({len(line)} characters)", file=sys.stderr, flush=True)
             continue
-        if record["step"] <= step:
-            kept.append(line)
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise MetricsFileError(f'{path}: line {number} is not a metrics record (a JSON object with an integer '
+                                   f'"step"); fix or move the file')
+        records.append((line, record))
+    return records
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records past `step` (a resumed run rewrites them), replacing the file atomically; a failed
+    write leaves the file as it was and no temporary file behind."""
+    if not path.exists():
+        return
+    kept = "".join(line + "\n" for line, record in read_records(path) if record["step"] <= step)
     tmp = Path(temp_path_for(str(path)))
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(kept)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 TENSORBOARD_MISSING = ("note: tensorboard is not installed, so no TensorBoard scalars are written "
@@ -115,7 +139,7 @@ class MetricsLogger:
             truncate_after(self.path, resume_step)
             self.file = open(self.path, "a")
         except OSError as err:
-            raise LogWriteError(f"cannot write {err.filename or self.path}: {err.strerror}") from err
+            raise LogWriteError(f"cannot write {self.path}: {err.strerror}") from err
         if wandb is not None:
             self.wandb_run = wandb_module().init(dir=str(run_dir), id=wandb_run_id(Path(run_dir)), resume="allow",
                                                  **wandb)

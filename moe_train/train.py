@@ -612,11 +612,16 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
         if topology is None or topology.rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable, LogWriteError) as err:
+    except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         if lock is not None:
             lock.release()
         return EXIT_BAD_INPUT
+    except LogWriteError as err:  # metrics.jsonl rewritten on resume, config.yaml: as a write failure mid-run
+        print(f"error: {err}", file=sys.stderr)
+        if lock is not None:
+            lock.release()
+        return EXIT_WRITE_FAILED
     except RuntimeError as err:
         line = collective_failure_line(err, topology, "during start-up")
         if line is None:

@@ -16,10 +16,12 @@ def _mount(*args: str) -> subprocess.CompletedProcess:
 
 
 @contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` (mount's syntax: 64k, 10m) at `path`, unmounted afterwards."""
+def tmpfs(path: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's syntax: 64k, 10m) and at most `inodes` files and folders at `path`,
+    unmounted afterwards."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = _mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
+    options = f"size={size}" + ("" if inodes is None else f",nr_inodes={inodes}")
+    mounted = _mount("-t", "tmpfs", "-o", options, "tmpfs", str(path))
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or f'exit {mounted.returncode}'}")
     try:

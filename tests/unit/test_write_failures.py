@@ -1,5 +1,6 @@
-"""Logs and checkpoints that cannot be written or read: a torn metrics line, a file size limit
-during a checkpoint or a log write, garbage inside a checkpoint's data file."""
+"""Logs and checkpoints that cannot be written or read: a torn metrics line, metrics lines that are not
+records, a file size limit during a checkpoint, a log write or the metrics rewrite of a resume, garbage
+inside a checkpoint's files."""
 import json
 import os
 import subprocess
@@ -71,14 +72,45 @@ def test_metrics_write_failure_stops_with_one_line_naming_the_file(tmp_path, cac
     assert [r["step"] for r in records(run)] == [1, 2, 3]
 
 
-def test_garbage_inside_a_data_file_of_its_original_size_exits_2_naming_the_checkpoint(tmp_path, cache_dir, capsys):
+def test_garbage_in_any_checkpoint_file_of_its_original_size_exits_2_naming_the_file(tmp_path, cache_dir, capsys):
     run = tmp_path / "run"
     assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=1")]) == 0
-    [data] = (run / "checkpoints" / "iter_0000001").glob("*.distcp")
-    size = data.stat().st_size
-    data.write_bytes(bytes(range(256)) * (size // 256) + bytes(size % 256))
-    capsys.readouterr()
-    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2")]) == EXIT_BAD_INPUT
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: loading {run / 'checkpoints' / 'iter_0000001'}: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
+    folder = run / "checkpoints" / "iter_0000001"
+    [data] = folder.glob("*.distcp")
+    for file in (data, folder / "rng_rank0.pt", folder / "extra.pt", folder / ".metadata"):
+        original = file.read_bytes()
+        file.write_bytes(bytes(range(256)) * (len(original) // 256) + bytes(len(original) % 256))
+        capsys.readouterr()
+        assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2")]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{file} is corrupt or not a checkpoint of this program (" in err, err
+        assert "weights_only" not in err, err  # torch's advice to unpickle it unrestricted is not passed on
+        file.write_bytes(original)
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2")]) == 0
+
+
+def test_metrics_lines_that_are_not_records_are_named_with_exit_2_and_kept(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=4", "train.log_interval=1")]) == 0
+    lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    for bad, why in ((b'{"loss": 1.0}', "is not a metrics record"), (b"[1, 2]", "is not a metrics record"),
+                     (b'{"step": "three"}', "is not a metrics record"), (b'{"step": 3, "x": "\xff\xfe"}',
+                                                                         "is not UTF-8 text")):
+        content = b"".join(lines[:2] + [bad + b"\n"] + lines[3:])
+        (run / "metrics.jsonl").write_bytes(content)
+        capsys.readouterr()
+        assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=5")]) == EXIT_BAD_INPUT, bad
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run / 'metrics.jsonl'}: line 3 {why}") and err.count("\n") == 1, err
+        assert "Traceback" not in err and (run / "metrics.jsonl").read_bytes() == content
+
+
+def test_metrics_rewrite_failing_on_resume_exits_4_and_leaves_the_file_and_no_temporary_file(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2", "train.log_interval=1")]) == 0
+    metrics = (run / "metrics.jsonl").read_text()
+    result = run_limited(overrides(run, cache_dir, "train.steps=4", "train.log_interval=1"), len(metrics) - 10)
+    assert result.returncode == EXIT_WRITE_FAILED, result.stderr
+    assert result.stderr.splitlines() == [f"error: cannot write {run / 'metrics.jsonl'}: File too large"]
+    assert (run / "metrics.jsonl").read_text() == metrics and not list(run.glob("*.tmp")), list(run.iterdir())

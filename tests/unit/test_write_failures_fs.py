@@ -1,10 +1,13 @@
 """Write failures on real file systems (tests/unit/_mounts.py): a full disk (ENOSPC) during a
-checkpoint and while logging, and a read-only checkpoint folder (EROFS). Each stops the run with
-exit 4 and one line naming the path and the error, and the previous checkpoint still loads.
+checkpoint and while logging stops the run with exit 4 and one line naming the path and the error,
+and the previous checkpoint still loads. A read-only checkpoint folder (EROFS), one where no file can
+be created (no inodes left) and a full disk under a new logging.dir stop the run at start-up, before
+training, with exit 2 and one line naming the folder or file.
 (tests/unit/test_write_failures.py does the same with a file size limit, which needs no mount.)
 As root, permission bits do not stop writes, so EACCES is not made here: a read-only mount is."""
 from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
-from moe_train.train import EXIT_WRITE_FAILED, main
+from moe_train.run_dir import LOCK_FILE
+from moe_train.train import EXIT_BAD_INPUT, EXIT_WRITE_FAILED, main
 from tests.unit._mounts import make_read_only, tmpfs
 from tests.unit.test_train import TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
 
@@ -33,7 +36,8 @@ def test_a_full_disk_during_a_checkpoint_stops_with_one_line_and_the_previous_ch
         assert train(run, cache_dir, "train.steps=6", *common) == EXIT_WRITE_FAILED
         [line] = capsys.readouterr().err.splitlines()
         assert line.startswith(f"error: saving {iteration_dir(disk, 4)}: "), line
-        assert "No space left on device" in line and "the checkpoint needs about" in line, line
+        # the errno's text, or the cause named after torch's own "unexpected pos" (where the disk filled up)
+        assert "no space left on device" in line.lower() and "the checkpoint needs about" in line, line
         assert latest_iteration(disk) == 2 and list_iterations(disk) == [2]
         assert loads_and_trains_on(iteration_dir(disk, 2), tmp_path, cache_dir)
 
@@ -53,17 +57,52 @@ def test_a_full_disk_while_logging_stops_with_one_line_naming_the_file(tmp_path,
     assert loads_and_trains_on(iteration_dir(checkpoints, kept), tmp_path, cache_dir)
 
 
-def test_a_read_only_checkpoint_folder_stops_with_one_line_and_the_previous_checkpoint_loads(
+def test_a_read_only_checkpoint_folder_stops_at_start_up_and_its_checkpoint_still_loads(
         tmp_path, cache_dir, capsys):
     run = tmp_path / "run"
     with tmpfs(tmp_path / "disk", "32m") as disk:
         common = ("checkpoint.interval=2", f"checkpoint.dir={disk}")
         assert train(run, cache_dir, "train.steps=2", *common) == 0
+        metrics = (run / "metrics.jsonl").read_text()
         make_read_only(disk)
         capsys.readouterr()
-        assert train(run, cache_dir, "train.steps=6", *common) == EXIT_WRITE_FAILED  # resumes from step 2
-        [line] = capsys.readouterr().err.splitlines()
-        assert line.startswith(f"error: saving {iteration_dir(disk, 4)}: ") and "Read-only file system" in line, line
+        assert train(run, cache_dir, "train.steps=6", *common) == EXIT_BAD_INPUT  # before training, not at a save
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: checkpoint.dir: cannot create {disk / LOCK_FILE}: Read-only file system"]
         assert latest_iteration(disk) == 2 and list_iterations(disk) == [2]
-        assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
+        assert (run / "metrics.jsonl").read_text() == metrics
         assert loads_and_trains_on(iteration_dir(disk, 2), tmp_path, cache_dir)
+
+
+def test_a_checkpoint_folder_where_no_file_can_be_created_stops_at_start_up(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    with tmpfs(tmp_path / "disk", "1m", inodes=8) as disk:
+        (disk / LOCK_FILE).write_text("")  # left by an earlier run
+        fillers = []
+        try:
+            while True:  # use up the inodes after run.lock: it can be rewritten, a checkpoint not created
+                fillers.append(disk / f"user_file_{len(fillers)}")
+                fillers[-1].write_text("kept\n")
+        except OSError:
+            fillers.pop()
+        capsys.readouterr()
+        assert train(run, cache_dir, "train.steps=2", f"checkpoint.dir={disk}") == EXIT_BAD_INPUT
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: checkpoint.dir: cannot write files in {disk}: No space left on device"]
+        assert not (run / "metrics.jsonl").exists() and all(f.read_text() == "kept\n" for f in fillers)
+
+
+def test_a_new_run_on_a_full_disk_stops_with_one_line_naming_the_lock_file(tmp_path, cache_dir, capsys):
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        with open(disk / "user_data", "wb", buffering=0) as file:  # fill the disk
+            try:
+                while True:
+                    file.write(bytes(4096))
+            except OSError:
+                pass
+        size = (disk / "user_data").stat().st_size
+        capsys.readouterr()
+        assert train(disk / "run", cache_dir, "train.steps=2", f"checkpoint.dir={tmp_path / 'ck'}") == EXIT_BAD_INPUT
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: logging.dir: cannot write {disk / 'run' / LOCK_FILE}: No space left on device"]
+        assert (disk / "user_data").stat().st_size == size
