@@ -540,7 +540,7 @@ def collective_failure_line(err: RuntimeError, topology: Topology | None, when: 
 
 def input_problems(config: Config) -> list[tuple[str, str]]:
     """The files the run reads that are missing or unusable, checked without reading them: each data
-    prefix's .bin and .idx, a tokenizer.json, and the checkpoint `checkpoint.resume` selects."""
+    prefix's .bin and .idx, a tokenizer.json, and the checkpoint a `checkpoint.resume` path selects."""
     problems = []
     d = config.data
     for key in ("path", "valid_path"):
@@ -551,10 +551,11 @@ def input_problems(config: Config) -> list[tuple[str, str]]:
                 problems.append((f"data.{key}", f"dataset file not found: {', '.join(missing)}"))
     if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
         problems.append(("data.tokenizer", f"{d.tokenizer} is not a file (give 'byte' or a tokenizer.json)"))
-    try:
-        resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-    except CheckpointError as err:
-        problems.append(("checkpoint.resume", str(err).removeprefix("checkpoint.resume: ")))
+    if config.checkpoint.resume not in ("auto", "none"):  # (auto's latest file is the run directory's: claim_run_dir)
+        try:
+            resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
+        except CheckpointError as err:
+            problems.append(("checkpoint.resume", str(err).removeprefix("checkpoint.resume: ")))
     return problems
 
 
