@@ -160,7 +160,7 @@ def _overwrite(config: Config, lock: RunLock) -> RunLock:
     moved = _move_aside([run_dir] + ([] if inside else [checkpoints]), "logging.overwrite")
     new_lock = _lock_both(run_dir, checkpoints)
     lock.release()
-    print(f"logging.overwrite: moved the old run to " + ", ".join(map(str, moved)), flush=True)
+    print("logging.overwrite: moved the old run to " + ", ".join(map(str, moved)), flush=True)
     return new_lock
 
 

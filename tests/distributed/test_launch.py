@@ -95,7 +95,7 @@ def test_a_worker_the_system_refuses_to_start_leaves_no_orphan(tmp_path):
     """fork fails for the third of 4 workers (EAGAIN, as under memory or process limits): one line, exit 1,
     and the two workers already started are stopped (torchrun left them waiting 60 s for the rendezvous)."""
     run = tmp_path / "run"
-    script = f"""
+    script = """
 import sys
 import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler as handler
 from moe_train import torchrun
