@@ -4,6 +4,7 @@ import io
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,28 +22,42 @@ def run_args(run, *extra):
     return ["--config", TINY, *[a for kv in sets for a in ("--set", kv)]]
 
 
-def offline_history(path):
-    """The `history` records of one offline run file, read from its transaction log (LevelDB's log
-    format: 32 KiB blocks of chunks with a 7-byte header, after W&B's 7-byte file header)."""
+def offline_records(path):
+    """The records of one offline run file, read from its transaction log (LevelDB's log format: 32 KiB
+    blocks of chunks with a 7-byte header, after W&B's 7-byte file header)."""
     from wandb.proto import wandb_internal_pb2
 
     data, block = Path(path).read_bytes(), 32768
     assert data[:4] == b":W&B"
-    pos, record, history = 7, b"", []
+    pos, record, records = 7, b"", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         record, pos = record + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             parsed = wandb_internal_pb2.Record()
             parsed.ParseFromString(record)
-            if parsed.WhichOneof("record_type") == "history":
-                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                for item in parsed.history.item})
+            records.append(parsed)
             record = b""
-    return history
+    return records
+
+
+def offline_history(path, timeout_s=60.0):
+    """The `history` records of one offline run file, once W&B's service has written the run's `exit`
+    record: `wandb.finish()` returns before the service has flushed the file (a read right after it
+    found no history records in about one run of a hundred)."""
+    deadline = time.monotonic() + timeout_s
+    records = offline_records(path)
+    while not (records and records[-1].WhichOneof("record_type") == "exit") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = offline_records(path)
+    assert records and records[-1].WhichOneof("record_type") == "exit", f"{path}: no exit record after {timeout_s} s"
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
 
 
 def offline_runs(run_dir) -> list[str]:
