@@ -9,37 +9,26 @@ existing all-reduce and a host read that waits for that all-reduce only, not for
 step queued after it.
 
 A second SIGINT (Ctrl-C twice) ends the process at once, without a save. A signal that came while
-the process started up (moe_train.stop_signals.EarlySignals) is taken over with `note`.
+the process started up (moe_train.stop_signals.SignalNotes) is taken over with `note`.
 """
 from __future__ import annotations
 
 import contextlib
 import signal
-from types import FrameType
 from typing import Iterator
 
 import torch
 
-from moe_train.stop_signals import STOP_SIGNALS
+from moe_train.stop_signals import STOP_SIGNALS, SignalNotes
 
 
-class StopRequest:
+class StopRequest(SignalNotes):
     """This process's stop signal and the last step's vote count of all ranks."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None  # the first stop signal this process received
+        super().__init__()
         self._votes: torch.Tensor | None = None  # host copy of the last reduced vote count
         self._votes_ready: torch.cuda.Event | None = None
-
-    def install(self) -> StopRequest:
-        """Note stop signals from now on."""
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, self._note)
-        return self
-
-    def note(self, signum: int) -> None:
-        """Take `signum` as received now (one noted before the handlers were installed)."""
-        self._note(signum, None)
 
     @contextlib.contextmanager
     def handling_signals(self) -> Iterator[StopRequest]:
@@ -51,12 +40,6 @@ class StopRequest:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-    def _note(self, signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts, even inside a collective
-        if self.signum is None:
-            self.signum = signum
 
     def with_vote(self, sums: torch.Tensor) -> torch.Tensor:
         """`sums` (1-D, about to be all-reduced over every rank) with this rank's vote appended."""

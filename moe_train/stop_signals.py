@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from types import FrameType
+from typing import Self
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -17,20 +18,26 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-class EarlySignals:
-    """Stop signals noted while a process starts up, before its StopRequest exists: the first one is
-    handed to it. A second Ctrl-C aborts at once, as later in the run."""
+class SignalNotes:
+    """The first stop signal this process received, noted by its handlers (`install`). A second Ctrl-C
+    aborts at once, even inside a collective. moe_train.stop.StopRequest adds the ranks' agreement;
+    a process starting up uses this alone until torch is imported, then hands the signal over."""
 
     def __init__(self) -> None:
-        self.first: int | None = None
+        self.signum: int | None = None
 
-    def install(self) -> EarlySignals:
+    def install(self) -> Self:
+        """Note stop signals from now on."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._note)
         return self
 
+    def note(self, signum: int) -> None:
+        """Take `signum` as received now (one noted before these handlers were installed)."""
+        self._note(signum, None)
+
     def _note(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if self.first is None:
-            self.first = signum
+        if self.signum is None:
+            self.signum = signum

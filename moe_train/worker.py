@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import sys
 
-from moe_train.stop_signals import EarlySignals, ignore_stop_signals
+from moe_train.stop_signals import SignalNotes, ignore_stop_signals
 
 
 def main(argv: list[str]) -> int:
-    early = EarlySignals().install()
+    early = SignalNotes().install()
     from moe_train.stop import StopRequest
     from moe_train.train import main as train
 
     stop = StopRequest().install()
-    if early.first is not None and stop.signum is None:
-        stop.note(early.first)
+    if early.signum is not None and stop.signum is None:
+        stop.note(early.signum)
     status = train(argv, stop=stop)
     ignore_stop_signals()  # the outcome is decided; a late signal would end the process by it
     return status
