@@ -14,7 +14,7 @@ SIGTERM or SIGUSR1, or print a KeyboardInterrupt traceback, so the signal waits 
 then stops after its first step, which every rank saves.
 
 When workers fail, torchrun raises `ChildFailedError`, a traceback and a table, and exits 1. Here the
-workers' own status is passed on instead: 2, 3 or 4 (moe_train.exit_codes) when every failed worker
+workers' own status is passed on instead: 2, 3, 4 or 5 (moe_train.exit_codes) when every failed worker
 ended so, having said why in its one line; otherwise 1, with one line per failed worker naming its
 rank, pid and exit code or signal. When the operating system refuses to start a worker (fork fails
 for lack of memory or processes), torchrun raises that OSError and would leave the workers it had
