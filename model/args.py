@@ -5,14 +5,15 @@ key. `validate()` lists every impossible setting (key, message) instead of faili
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from model.intervals import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_COUNT, Interval, interval_problems
 
 ROPE_TYPES = ("rope", "yarn")
 SCORE_FUNCTIONS = ("sigmoid", "softmax")
-RECOMPUTE_GRANULARITIES = (None, "full")
+FULL_RECOMPUTE = "full"
+SELECTIVE_RECOMPUTE = ("layernorm", "mla_up_proj", "moe_act")  # what each rebuilds: model/recompute.py
 
 # Every numeric key's allowed values (the router's group counts are checked with the expert count).
 INTERVALS: dict[str, Interval] = {
@@ -71,7 +72,9 @@ class ModelArgs:
         norm_epsilon: RMSNorm epsilon
         vocab_size: vocabulary size of the embedding and the output head
         init_method_std: standard deviation of the normal weight initialisation
-        recompute_granularity: "full": recompute every decoder layer in backward (null: none)
+        recompute_modules: what each decoder layer rebuilds in backward instead of storing (model.recompute):
+            any of layernorm, mla_up_proj, moe_act (DeepSeek-V3's set is all three), or [full] (the
+            whole layer); [] stores everything
     """
 
     num_layers: int = 4
@@ -109,7 +112,7 @@ class ModelArgs:
     norm_epsilon: float = 1e-6
     vocab_size: int = 1024
     init_method_std: float = 0.02
-    recompute_granularity: Optional[str] = None
+    recompute_modules: list[str] = field(default_factory=list)
 
     @property
     def qk_full_head_dim(self) -> int:
@@ -139,9 +142,7 @@ class ModelArgs:
         if self.moe_router_score_function not in SCORE_FUNCTIONS:
             problems.append(("moe_router_score_function",
                              f"must be one of {SCORE_FUNCTIONS}, got {self.moe_router_score_function!r}"))
-        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            problems.append(("recompute_granularity",
-                             f"must be null or 'full', got {self.recompute_granularity!r}"))
+        problems.extend(("recompute_modules", message) for message in recompute_problems(self.recompute_modules))
         problems.extend(self._router_problems())
         return problems
 
@@ -170,3 +171,14 @@ class ModelArgs:
             problems.append(("moe_router_group_topk",
                              f"{keep} groups x {per_group} experts per group < moe_router_topk={topk}"))
         return problems
+
+
+def recompute_problems(modules: list[str]) -> list[str]:
+    """What is wrong with a `recompute_modules` list, as messages."""
+    choices = (FULL_RECOMPUTE, *SELECTIVE_RECOMPUTE)
+    unknown = [m for m in modules if m not in choices]
+    if unknown:
+        return [f"unknown module(s) {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}"]
+    if FULL_RECOMPUTE in modules and len(set(modules)) > 1:
+        return ["'full' recomputes the whole layer: give it alone"]
+    return []

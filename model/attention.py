@@ -16,14 +16,18 @@ from torch import nn
 from model.args import ModelArgs
 from model.kv_cache import LayerKVCache
 from model.layers import Linear, RMSNorm
+from model.recompute import Recompute
 from model.rope import apply_rope, softmax_scale
 
 
 class MLA(nn.Module):
     """Low-rank q path (with its norm), compressed kv path with one shared RoPE key head."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, recompute: Recompute | None = None) -> None:
+        """`recompute`: the decoder layer's (model.recompute): its latent norms under `layernorm`,
+        q, k and v under `mla_up_proj`."""
         super().__init__()
+        self.recompute = recompute if recompute is not None else Recompute(())
         d, heads, std = args.hidden_size, args.num_attention_heads, args.init_method_std
         self.num_heads = heads
         self.nope_dim, self.rope_dim, self.v_dim = args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim
@@ -33,10 +37,10 @@ class MLA(nn.Module):
             self.q_proj = Linear(d, heads * qk_dim, std)
         else:
             self.q_a_proj = Linear(d, args.q_lora_rank, std)
-            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.norm_epsilon)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.norm_epsilon, recompute)
             self.q_b_proj = Linear(args.q_lora_rank, heads * qk_dim, std)
         self.kv_a_proj_with_mqa = Linear(d, args.kv_lora_rank + self.rope_dim, std)
-        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.norm_epsilon)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.norm_epsilon, recompute)
         self.kv_b_proj = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), std)
         self.o_proj = Linear(heads * self.v_dim, d, std)
         self.softmax_scale = softmax_scale(args)
@@ -44,31 +48,39 @@ class MLA(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerKVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(batch, seq, self.num_heads, -1).transpose(1, 2)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin)
-
+        q_input = x if hasattr(self, "q_proj") else self.q_a_layernorm(self.q_a_proj(x))
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(compressed)
-        k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, d_rope]: one head shared by all
         if cache is not None:
             start = cache.length
-            cached_latent, cached_k_pe = cache.append(latent, k_pe.squeeze(1))
+            cached_latent, cached_k_pe = cache.append(latent, _rotated_key(k_pe, cos, sin).squeeze(1))
             if start > 0:
+                q_nope, q_pe = self._queries(q_input, cos, sin)
                 out = self._absorbed_attention(q_nope, q_pe, cached_latent, cached_k_pe, start)
                 return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+        q, k, v = self.recompute.region("mla_up_proj", self._up_project, q_input, latent, k_pe, cos, sin)
+        out = causal_attention(q, k, v, self.softmax_scale, self.v_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
 
-        kv = self.kv_b_proj(latent)
-        kv = kv.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+    def _queries(self, q_input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_nope [B, H, T, d_nope] and the rotated q_pe [B, H, T, d_rope] from the q latent (or x)."""
+        batch, seq, _ = q_input.shape
+        up = self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
+        q = up(q_input).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        return q_nope, apply_rope(q_pe, cos, sin)
+
+    def _up_project(self, q_input: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention core's q, k and v [B, H, T, qk], v zero-padded to the qk head dim (so fused
+        kernels apply), from the q latent, the normalised kv latent and the unrotated k_pe."""
+        batch, seq, _ = latent.shape
+        q_nope, q_pe = self._queries(q_input, cos, sin)
+        kv = self.kv_b_proj(latent).view(batch, seq, self.num_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        k = torch.cat((k_nope, k_pe.expand(-1, self.num_heads, -1, -1)), dim=-1)
-        out = causal_attention(q, k, v, self.softmax_scale)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+        k = torch.cat((k_nope, _rotated_key(k_pe, cos, sin).expand(-1, self.num_heads, -1, -1)), dim=-1)
+        return q, k, F.pad(v, (0, q.shape[-1] - self.v_dim))
 
     def _absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                             k_pe: torch.Tensor, start: int) -> torch.Tensor:
@@ -85,9 +97,11 @@ class MLA(nn.Module):
         return torch.einsum("bhtc,hdc->bhtd", torch.einsum("bhts,bsc->bhtc", probs, latent), w_uv)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal SDPA; v is zero-padded to the qk head dim so fused (flash) kernels apply, then cut."""
-    v_dim = v.shape[-1]
-    if v_dim < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - v_dim))
+def _rotated_key(k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The one RoPE key head shared by all heads, [B, T, d_rope] -> rotated [B, 1, T, d_rope]."""
+    return apply_rope(k_pe.unsqueeze(1), cos, sin)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
+    """Causal SDPA of v zero-padded to the qk head dim, cut back to its first `v_dim` channels."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]

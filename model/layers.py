@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.recompute import Recompute
+
 
 def _group_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """[G, rows] bool: row r belongs to group g (offsets: int32 cumulative ends)."""
@@ -144,17 +146,24 @@ class GroupedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back, as DeepSeek-V3 and HF do."""
+    """RMSNorm computed in fp32 and cast back, as DeepSeek-V3 and HF do. A decoder layer's norms get
+    its `Recompute` (model.recompute), which rebuilds them in backward under `layernorm`."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, recompute: Recompute | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.recompute = recompute
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute is None:
+            return self._normalize(x)
+        return self.recompute.region("layernorm", self._normalize, x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -8,6 +8,7 @@ from torch import nn
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher, LocalDispatcher, PackedExchange, count_per_expert
 from model.layers import GroupedLinear, SwiGLU
+from model.recompute import Recompute
 from model.router import Router, sequence_balance_loss
 
 
@@ -34,9 +35,12 @@ class AuxLossGradient(torch.autograd.Function):
 class RoutedExperts(nn.Module):
     """The experts this rank owns, as two grouped GEMMs (gate|up packed, then down)."""
 
-    def __init__(self, num_local_experts: int, dim: int, hidden: int, init_std: float, first_expert: int = 0) -> None:
+    def __init__(self, num_local_experts: int, dim: int, hidden: int, init_std: float, first_expert: int = 0,
+                 recompute: Recompute | None = None) -> None:
+        """`recompute`: the decoder layer's (model.recompute), which rebuilds the activation under `moe_act`."""
         super().__init__()
         self.num_local_experts, self.hidden = num_local_experts, hidden
+        self.recompute = recompute if recompute is not None else Recompute(())
         self.first_expert = first_expert  # global id of local expert 0 (experts are contiguous per rank)
         self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
         self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
@@ -51,12 +55,16 @@ class RoutedExperts(nn.Module):
         token_sorted = order // topk
         offsets = torch.cumsum(count_per_expert(local_idx, self.num_local_experts), 0).to(torch.int32)
         gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
-        gate, up = gate_up.split(self.hidden, dim=-1)
-        hidden = F.silu(gate) * up
-        # The router weight scales the (narrower) expert intermediate: down_proj is linear.
-        hidden = hidden * weights.reshape(-1)[order].unsqueeze(1).to(hidden.dtype)
+        slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
+        hidden = self.recompute.region("moe_act", self._activation, gate_up, slot_weights)
         out = self.down_proj(hidden, offsets)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
+
+    def _activation(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the packed gate|up rows, scaled by each slot's router weight (the narrower expert
+        intermediate is scaled: down_proj is linear)."""
+        gate, up = gate_up.split(self.hidden, dim=-1)
+        return F.silu(gate) * up * weights
 
     def forward_packed(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The masked grouped GEMM of DeepEP's low-latency layout: x [E_local, N, d] of which only the
@@ -70,7 +78,7 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: ModelArgs, dispatcher: Dispatcher | None = None) -> None:
+    def __init__(self, args: ModelArgs, dispatcher: Dispatcher | None = None, recompute: Recompute | None = None) -> None:
         super().__init__()
         self.dispatcher = dispatcher or LocalDispatcher()
         self.num_experts = args.num_moe_experts
@@ -78,7 +86,7 @@ class MoE(nn.Module):
         local = self.dispatcher.local_experts(args.num_moe_experts)
         self.gate = Router(args)
         self.experts = RoutedExperts(len(local), args.hidden_size, args.moe_ffn_hidden_size,
-                                     args.init_method_std, first_expert=local.start)
+                                     args.init_method_std, first_expert=local.start, recompute=recompute)
         self.shared_experts = None
         if args.moe_shared_expert_intermediate_size > 0:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_shared_expert_intermediate_size,

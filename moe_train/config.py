@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from model.args import ModelArgs
+from model.args import SELECTIVE_RECOMPUTE, ModelArgs
 from model.intervals import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_COUNT, PROBABILITY, Interval, interval_problems
 from moe_train.data.blend import parse_blend
 from parallel.pipeline.builders import SCHEDULES
@@ -340,6 +340,8 @@ def apply_mapping(config: Config, data: Any, problems: list[tuple[str, str]]) ->
 
 
 def set_value(config: Config, dotted: str, value: Any, problems: list[tuple[str, str]]) -> None:
+    if dotted == LEGACY_RECOMPUTE_KEY:  # the configs of runs and checkpoints made before recompute_modules
+        dotted, value = "model.recompute_modules", [] if value is None else [value]
     section, _, key = dotted.partition(".")
     if section not in SECTIONS:
         problems.append((dotted, "unknown section" + _did_you_mean(section, list(SECTIONS))))
@@ -352,6 +354,9 @@ def set_value(config: Config, dotted: str, value: Any, problems: list[tuple[str,
         setattr(getattr(config, section), key, _coerce(value, fields[key]))
     except TypeError as err:
         problems.append((dotted, f"{err}, got {value!r} ({_type_name(type(value))})"))
+
+
+LEGACY_RECOMPUTE_KEY = "model.recompute_granularity"  # `full` (or null) is read as recompute_modules [full] (or [])
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -473,6 +478,9 @@ def validate(config: Config) -> list[tuple[str, str]]:
     if t.compile != "none" and p.pp > 1:
         problems.append(("train.compile", f"{t.compile!r} needs parallel.pp=1, got {p.pp}: a compiled region would "
                                           "bypass the split backward that defers the pipeline's weight gradients"))
+    if t.compile != "none" and set(config.model.recompute_modules) & set(SELECTIVE_RECOMPUTE):
+        problems.append(("train.compile", f"{t.compile!r} cannot trace the saved-tensor hooks of model.recompute_modules "
+                                          f"{config.model.recompute_modules}: use train.compile=none"))
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)

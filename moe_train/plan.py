@@ -14,8 +14,8 @@ gradients; Adam's two fp32 moments and step count of the data-parallel rank that
 tensors: dense ones over dp, expert ones over expert-dp) gives the most; activations as
 moe_train/plan_stages.py models them (with bf16, the weight copies autocast keeps per micro-batch
 included); and --reserve-gib for the CUDA context, communication buffers and allocator
-fragmentation. With model.recompute_granularity: full the trainer recomputes each decoder layer in
-backward, so a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with
+fragmentation. model.recompute_modules lowers what each decoder layer keeps (moe_train/plan_stages.py):
+with [full] a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with
 every problem named by its config key when the layout cannot work, or when --gpu-memory-gib is
 given and a rank does not fit.
 """
@@ -25,6 +25,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from model.args import FULL_RECOMPUTE
 from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
@@ -73,7 +74,7 @@ class ClusterPlan:
     stages: list[Stage]
     timeline: Timeline
     ranks: list[RankPlan]
-    recompute: str
+    recompute: tuple[str, ...]
 
     @property
     def world(self) -> int:
@@ -115,9 +116,9 @@ def _schedule(config: Config, dp: int) -> Schedule:
                                                  f"per step (global batch / (micro-batch x dp={dp})): {err}")]) from None
 
 
-def _stage_activation_bytes(config: Config, stage: Stage, recompute: str) -> tuple[float, float]:
+def _stage_activation_bytes(config: Config, stage: Stage) -> tuple[float, float]:
     """(bytes kept per micro-batch until its backward, extra bytes while one backward runs), from the
-    per-unit memory of moe_train/plan_stages.py; with recomputation a decoder layer keeps its input."""
+    per-unit memory of moe_train/plan_stages.py (with the model's recompute_modules)."""
     a, t = config.model, config.train
     tokens = t.micro_batch_size * t.seq_length
     local_experts = a.num_moe_experts // config.parallel.ep
@@ -127,8 +128,7 @@ def _stage_activation_bytes(config: Config, stage: Stage, recompute: str) -> tup
         layers += [layer_memory(a, a.num_moe_experts > 0, tokens, t.precision, local_experts)] * a.mtp_num_layers
         others = [head_memory(a, tokens, t.precision)] + [mtp_memory(a, tokens, t.precision)] * a.mtp_num_layers
     layer_input = 4 * a.hidden_size * tokens
-    units = [(layer_input if recompute == "full" else m.kept, m.peak) for m in layers]
-    units += [(m.kept, m.peak) for m in others]
+    units = [(m.kept, m.peak) for m in layers + others]
     return layer_input + sum(kept for kept, _ in units), max((peak - kept for kept, peak in units), default=0.0)
 
 
@@ -176,8 +176,7 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     except ValueError as err:
         raise ConfigError([("parallel.pp", str(err))]) from None
     timeline = simulate(schedule)
-    recompute = config.model.recompute_granularity or "none"
-    per_stage = {s.index: _stage_activation_bytes(config, s, recompute) for s in stages}
+    per_stage = {s.index: _stage_activation_bytes(config, s) for s in stages}
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
     ranks = []
@@ -195,7 +194,8 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
             peak_units=timeline.peak_activations[rank],
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
             intra_node=tuple(moe_tokens * x.intra_node for x in traffic)))
-    return ClusterPlan(config, nodes, gpus_per_node, schedule.num_microbatches, stages, timeline, ranks, recompute)
+    return ClusterPlan(config, nodes, gpus_per_node, schedule.num_microbatches, stages, timeline, ranks,
+                       tuple(a.recompute_modules))
 
 
 def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -> list[tuple[str, str]]:
@@ -209,7 +209,8 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
             overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
     problems = []
     for (need, part, size), ranks in overflows.items():
-        hint = ("try model.recompute_granularity=full, a smaller train.micro_batch_size or train.seq_length"
+        hint = ("try model.recompute_modules=[layernorm,mla_up_proj,moe_act] or [full], a smaller "
+                "train.micro_batch_size or train.seq_length"
                 if part == "activations" else "try more pipeline stages or a larger parallel.ep")
         problems.append(("--gpu-memory-gib", f"pp rank(s) {','.join(map(str, ranks))} need {need:.1f} GiB "
                                              f"> {gpu_memory_gib:g} GiB; largest part: {part} {size:.1f} GiB ({hint})"))
@@ -227,7 +228,7 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
     counts = count_parameters(a)
     states = 16 * (counts.total + counts.mtp_total) / world
     activations = 0.0
-    if not config.model.recompute_granularity:
+    if FULL_RECOMPUTE not in config.model.recompute_modules:
         tokens = t.micro_batch_size * t.seq_length
         experts = max(1, a.num_moe_experts // config.parallel.ep)
         first = range(-(-a.num_layers // pp))
@@ -240,7 +241,7 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
                        f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB, "
                        f"a step's token rows {rows / GIB:.1f} GiB) "
                        f"but {available.gib:.1f} GiB is available per process, bounded by {available.source}; use a smaller model, more processes, "
-                       "model.recompute_granularity=full, or a smaller train.micro_batch_size, train.global_batch_size or "
+                       "model.recompute_modules=[full], or a smaller train.micro_batch_size, train.global_batch_size or "
                        "train.seq_length")]
 
 
@@ -262,7 +263,7 @@ def format_plan(plan: ClusterPlan) -> str:
         f"schedule: {schedule.name}, {schedule.num_stages} stages on {schedule.num_ranks} ranks; simulated bubble "
         f"{plan.timeline.bubble:g} of {plan.timeline.makespan:g} stage-times = {100 * plan.bubble_fraction:.1f}% "
         f"(F = B = W per stage)",
-        f"activations: {'every decoder layer recomputed in backward' if plan.recompute == 'full' else 'no recomputation'}",
+        f"activations: {_recompute_label(plan.recompute)}",
         "",
         f"{'pp':>3} {'stages':>7} {'params':>9} {'experts':>9} {'weights+grads':>14} {'adam':>8} "
         f"{'activations':>12} {'peak mb':>8} {'total':>9}",
@@ -282,6 +283,14 @@ def format_plan(plan: ClusterPlan) -> str:
         f"(BF16 dispatch); {busiest.inter_node[1] / GIB:.1f} / {busiest.intra_node[1] / GIB:.1f} GiB (FP8 dispatch)",
     ]
     return "\n".join(lines)
+
+
+def _recompute_label(modules: tuple[str, ...]) -> str:
+    if FULL_RECOMPUTE in modules:
+        return "every decoder layer recomputed in backward"
+    if modules:
+        return f"selective recompute in backward: {', '.join(modules)}"
+    return "no recomputation"
 
 
 def _stage_label(stage: Stage) -> str:

@@ -5,6 +5,8 @@ of one forward+backward's GEMM FLOPs (benchmarks/gemm_precision.py; on CUDA the 
 are not among the recorded ones, so the share is of the weight GEMMs).
 
 Run: python -m tests.gpu.bench_training [--config PATH] [--steps N] [--set key=value ...]
+(run_gpu_checks.sh runs it as configured and with DeepSeek-V3's selective recompute, to compare the
+peak memory and tokens/s of the two)
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         mfu = tokens * trainer.flops_per_token / (config.train.peak_tflops * 1e12)
         ids = torch.randint(0, config.model.vocab_size, (1, config.train.seq_length), device=trainer.device)
         census = census_step(trainer.model, ids, ids.roll(-1, dims=1), config.train.precision)
-    print(f"bf16 training, {Path(args.config).name}: {tokens:,.0f} tokens/s, MFU {100 * mfu:.1f}%, peak memory "
+    recompute = ",".join(config.model.recompute_modules) or "none"
+    print(f"{config.train.precision} training, {Path(args.config).name}, recompute {recompute}: {tokens:,.0f} tokens/s, MFU {100 * mfu:.1f}%, peak memory "
           f"{peak:.1f} GiB, {len(syncs) / args.steps:.1f} host syncs per step, {100 * census.share():.1f}% of the "
           f"recorded GEMM FLOPs in bf16 (loss {records[-1]['loss']:.3f} after {args.steps + 1} steps)")
     print(syncs.report())

@@ -60,6 +60,9 @@ def test_wrong_types_name_the_key():
     (["train.seq_length=8192"], "train.seq_length", "max_position_embeddings"),
     (["train.compile=full"], "train.compile", "must be one of none, regions, model"),
     (["train.compile=regions", "parallel.pp=2"], "train.compile", "needs parallel.pp=1"),
+    (["model.recompute_modules=[layernorm,attention]"], "model.recompute_modules", "unknown module(s) 'attention'"),
+    (["model.recompute_modules=[full,moe_act]"], "model.recompute_modules", "give it alone"),
+    (["model.recompute_modules=[moe_act]", "train.compile=regions"], "train.compile", "saved-tensor hooks"),
 ])
 def test_impossible_combinations(overrides, key, fragment):
     problems = problems_of(overrides, "moe_train/configs/tiny.yaml")
@@ -153,3 +156,11 @@ def test_data_paths_take_a_prefix_or_a_blend_string_or_list():
 def test_bad_data_paths_and_wandb_mode_name_the_key(overrides, key, fragment):
     (got_key, message), = problems_of(overrides)
     assert got_key == key and fragment in message, message
+
+
+@pytest.mark.parametrize("old, modules", [("full", ["full"]), ("null", [])])
+def test_an_older_configs_recompute_granularity_reads_as_recompute_modules(tmp_path, old, modules):
+    """Run directories and checkpoints written before recompute_modules hold `recompute_granularity`."""
+    path = tmp_path / "old.yaml"
+    path.write_text(f"model:\n  recompute_granularity: {old}\n")
+    assert load_config(path).model.recompute_modules == modules

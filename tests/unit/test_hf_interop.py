@@ -76,12 +76,20 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
 
 
 def test_mtp_round_trip_in_released_layout(tmp_path):
+    """The MTP depth uses the main model's embedding and head tensors (one parameter each, as DeepSeek-V3
+    shares them physically), and the export writes the copies the released layout has for it."""
     from model.args import ModelArgs
     model = DeepSeekV3(ModelArgs(mtp_num_layers=1)).eval()
+    names = [name for name, _ in model.named_parameters()]
+    assert names.count("embed_tokens.weight") == 1 and names.count("lm_head.weight") == 1
+    assert not any("embed" in name or "head.weight" in name for name in names if name.startswith("mtp."))
     save_hf_checkpoint(model, tmp_path / "hf")
-    names = {n for file in (tmp_path / "hf").glob("*.safetensors") for n in load_file(str(file))}
+    tensors = {n: t for file in (tmp_path / "hf").glob("*.safetensors") for n, t in load_file(str(file)).items()}
+    names = set(tensors)
     assert "model.layers.4.eh_proj.weight" in names and "model.layers.4.shared_head.norm.weight" in names
     assert "model.layers.4.mlp.experts.7.up_proj.weight" in names
+    assert torch.equal(tensors["model.layers.4.embed_tokens.weight"], model.embed_tokens.weight)
+    assert torch.equal(tensors["model.layers.4.shared_head.head.weight"], model.lm_head.weight)
     again = load_hf_checkpoint(tmp_path / "hf")
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name

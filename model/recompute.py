@@ -1,0 +1,130 @@
+"""Selective recomputation (`model.recompute_modules`): activations that are cheap to rebuild are not
+stored for the backward; the backward rebuilds them from what is kept.
+
+DeepSeek-V3 (report §3.2.3) recomputes every RMSNorm and the MLA up-projections in backward, and
+(§3.3.3) keeps the SwiGLU input of the experts and recomputes its output. Megatron's names:
+
+- `layernorm`: the four RMSNorms of a decoder layer (input, post-attention, and MLA's q and kv
+  latent norms). Neither their outputs nor their internals are stored; each keeps only its input.
+- `mla_up_proj`: the query and key-value up-projections (`q_b_proj`, or `q_proj` without a q LoRA,
+  and `kv_b_proj`), the RoPE of q and k and the values' zero padding: q, k and v, which the
+  attention core saves, are rebuilt from the latents.
+- `moe_act`: the routed experts' SwiGLU and router-weight scaling: the down projection's input and
+  the activation's internals are rebuilt from the gate/up projection's output.
+- `full`: the whole decoder layer, keeping only its input (torch.utils.checkpoint); alone.
+
+How: a decoder layer's forward runs inside `Recompute.active()`, a saved-tensors hook pair. A
+region (`Recompute.region`) runs its function and records its outputs' storages. When a later op of
+the layer saves such an output, or a view of it, for its backward, the hook keeps a recipe instead
+of the tensor; unpacking it in backward runs the region again under the forward's autocast state,
+once for all the tensors that need it, and returns the same view of the new output. A region whose
+internals are large too (a norm, the activation) runs as a non-reentrant checkpoint, so its own
+backward rebuilds them from its inputs. A region's input that is another region's output (the q
+latent norm feeding the up-projection) is kept as a recipe as well.
+
+A replay computes exactly the forward's values from the same inputs, so fp32 gradients are
+bit-identical to no recomputation. No region contains the router, a dispatch or a combine: a
+recomputation never routes, never communicates, and cannot route a token differently.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+from model.args import SELECTIVE_RECOMPUTE
+
+# Regions whose internals are as large as their outputs (a norm's fp32 statistics and normalised
+# input, the activation's gate, SiLU and product) are checkpointed; the up-projection's internals are
+# its small latent inputs, and checkpointing it would run its GEMMs twice.
+CHECKPOINTED = {"layernorm": True, "mla_up_proj": False, "moe_act": True}
+
+
+class _Recipe:
+    """How to rebuild one region's outputs: its function, its inputs (packed, so an input that is
+    another region's output stays a recipe) and the forward's autocast state. The rebuilt outputs
+    are cached from the first unpack until every saved view of them has been unpacked."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: list[Any], autocast: tuple[str, bool, torch.dtype]) -> None:
+        self.fn, self.inputs, self.autocast = fn, inputs, autocast
+        self.pending = 0
+        self._outputs: tuple[torch.Tensor, ...] | None = None
+
+    def output(self, index: int) -> torch.Tensor:
+        if self._outputs is None:
+            device, enabled, dtype = self.autocast
+            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                rebuilt = self.fn(*(_unpack(x) for x in self.inputs))
+            self._outputs = rebuilt if isinstance(rebuilt, tuple) else (rebuilt,)
+        value = self._outputs[index]
+        self.pending -= 1
+        if self.pending <= 0:
+            self._outputs = None
+        return value
+
+
+@dataclass(frozen=True)
+class _SavedView:
+    """What an op saved in place of a region's output: which output, and the view of it it saved."""
+
+    recipe: _Recipe
+    index: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _unpack(saved: Any) -> Any:
+    if isinstance(saved, _SavedView):
+        return saved.recipe.output(saved.index).as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+class Recompute:
+    """The recomputation of one decoder layer: which of SELECTIVE_RECOMPUTE it recomputes, and while
+    its forward runs (`active`), the storages of the region outputs recorded so far."""
+
+    def __init__(self, modules: Iterable[str]) -> None:
+        self.modules = frozenset(modules) & set(SELECTIVE_RECOMPUTE)
+        self._outputs: dict[int, tuple[StorageWeakRef, _Recipe, int]] | None = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Run a forward whose regions are recomputed (a no-op without modules or without grad)."""
+        if not self.modules or not torch.is_grad_enabled():
+            yield
+            return
+        self._outputs = {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self._outputs = None
+
+    def region(self, module: str, fn: Callable[..., Any], *inputs: Any) -> Any:
+        """fn(*inputs), rebuilt in backward where `module` is recomputed and a forward is active."""
+        if module not in self.modules or self._outputs is None:
+            return fn(*inputs)
+        out = checkpoint(fn, *inputs, use_reentrant=False) if CHECKPOINTED[module] else fn(*inputs)
+        tensors = out if isinstance(out, tuple) else (out,)
+        device = tensors[0].device.type
+        recipe = _Recipe(fn, [self._pack(x) for x in inputs],
+                         (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+        for index, tensor in enumerate(tensors):
+            ref = StorageWeakRef(tensor.untyped_storage())
+            self._outputs[ref.cdata] = (ref, recipe, index)
+        return out
+
+    def _pack(self, tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or self._outputs is None:
+            return tensor
+        entry = self._outputs.get(StorageWeakRef(tensor.untyped_storage()).cdata)
+        if entry is None or entry[0].expired():
+            return tensor
+        _, recipe, index = entry
+        recipe.pending += 1
+        return _SavedView(recipe, index, tensor.size(), tensor.stride(), tensor.storage_offset())
