@@ -3,7 +3,8 @@
 `python -m model.hf import HF_DIR OUT_DIR`: an HF folder (config.json + safetensors, FP8 block-scaled
 weights dequantized) -> a native weight folder (`model.weights`). `python -m model.hf export SRC HF_DIR`:
 a training checkpoint (root or `iter_*` folder) or a native weight folder -> a complete HF folder
-(`moe_train.hf_export`); under torchrun every rank reads and writes its share. The layout is in
+(`moe_train.hf_export`; `--ema`: the checkpoint's EMA of the parameters); under torchrun every rank reads
+and writes its share. The layout is in
 `model.hf_layout`; reading and writing go through torch.distributed.checkpoint (`moe_train.hf_checkpoint`).
 """
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     exp.add_argument("--tokenizer", default=None, help='"byte" or a tokenizer.json (default: the checkpoint\'s '
                                                        'data.tokenizer; byte for a weight folder)')
+    exp.add_argument("--ema", action="store_true", help="write the checkpoint's EMA of the parameters "
+                                                        "(optim.ema_decay) instead of their values")
     opts = parser.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     if distributed:
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"imported {opts.hf_dir} -> {opts.out_dir}")
         else:
             dtype = getattr(torch, opts.dtype) if opts.dtype else None
-            export(Path(opts.src), Path(opts.hf_dir), dtype, opts.tokenizer)
+            export(Path(opts.src), Path(opts.hf_dir), dtype, opts.tokenizer, ema=opts.ema)
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"exported {opts.src} -> {opts.hf_dir}")
     except (HFCheckpointError, CheckpointError, ConfigError, DataError, FileNotFoundError, ValueError) as err:

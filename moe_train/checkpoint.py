@@ -4,8 +4,9 @@ Layout under a checkpoint root:
 
     latest_checkpointed_iteration.txt   the step of the newest complete checkpoint
     iter_0000100/
-        .metadata, __<rank>_0.distcp    DCP: {"model": ..., "optim": ...}, keyed by parameter name
-                                        and global expert id, so any layout loads any other's
+        .metadata, __<rank>_0.distcp    DCP: {"model": ..., "optim": ..., "ema": ...} (ema: with
+                                        optim.ema_decay), keyed by parameter name and global
+                                        expert id, so any layout loads any other's
         extra.pt                        rank 0's `extra` dict (step, consumed samples, schedules, ...)
         rng_rank<r>.pt                  RNG states (python, numpy, torch CPU, CUDA) of global rank r
         config.yaml, ...                the `text_files` given to `save_checkpoint`
@@ -161,10 +162,12 @@ def is_hf_folder(path: Path) -> bool:
 
 def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     extra: dict, keep: int, text_files: dict[str, str] | None = None,
-                    process_group: dist.ProcessGroup | None = None) -> Path:
+                    process_group: dist.ProcessGroup | None = None,
+                    ema: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically and return its folder; every rank calls it.
 
-    Optimizer state that does not exist yet (no step taken) is saved as zeros at step 0.
+    Optimizer state that does not exist yet (no step taken) is saved as zeros at step 0. `ema`: this
+    rank's EMA tensors keyed as the model state (moe_train.ema), saved under `ema.`.
     """
     if keep < 1 or step < 0:
         raise CheckpointError(f"{root}: cannot save step {step} keeping {keep}: need step >= 0 and keep >= 1")
@@ -175,7 +178,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     coordinator = _rank(process_group) == 0
     what = f"saving {final}"
     on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
-    state = _full_state_dict(model, optimizer)
+    state = _full_state_dict(model, optimizer, ema)
     needed = sum(t.numel() * t.element_size() for _, t in _flat_tensors(state))
     on_all_ranks(lambda: quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
                                      process_group=process_group), process_group, what, (root, needed))
@@ -186,16 +189,18 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     weights_only: bool = False, restore_rng: bool = True,
-                    process_group: dist.ProcessGroup | None = None, partial: bool = False) -> dict:
-    """Load a checkpoint folder into `model` (and `optimizer`) in place and return its `extra` dict.
+                    process_group: dist.ProcessGroup | None = None, partial: bool = False,
+                    ema: dict[str, torch.Tensor] | None = None) -> dict:
+    """Load a checkpoint folder into `model` (and `optimizer`, and the EMA tensors `ema`, keyed as in
+    `save_checkpoint`; the checkpoint must hold them: `holds_ema`) in place and return its `extra` dict.
 
-    weights_only loads the model alone (fine-tuning): optimizer, RNG and `extra` are left out and
+    weights_only loads the model alone (fine-tuning): optimizer, EMA, RNG and `extra` are left out and
     {} is returned. `partial`: the model is one pipeline stage, so tensors of other stages in the
     checkpoint are expected. Shapes, data files, `extra` and RNG files are checked before any tensor is
     overwritten, so a mismatching or damaged checkpoint leaves the model as it was.
     """
     path = Path(path)
-    state = _full_state_dict(model, None if weights_only else optimizer)
+    state = _full_state_dict(model, None if weights_only else optimizer, None if weights_only else ema)
     read_back = on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
                               process_group, f"loading {path}")
     on_all_ranks(lambda: quiet_dcp(dcp.load, state, storage_reader=NamingReader(path),
@@ -286,6 +291,11 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         raise corrupt_file(metadata_path, err) from err
 
 
+def holds_ema(metadata: Metadata) -> bool:
+    """Whether a checkpoint (its DCP metadata) holds an EMA of the parameters."""
+    return bool(_saved_shapes(metadata, "ema."))
+
+
 def _tmp_name(path: Path) -> Path:
     return path.with_name(path.name + TMP_SUFFIX)
 
@@ -362,11 +372,15 @@ def quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-def _full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     ema: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Layout-independent views of the live tensors (see parallel.sharded_state); DCP loads in place."""
-    if optimizer is None:
-        return {"model": model_state(model)}
-    return {"model": model_state(model), "optim": optimizer_state(model, optimizer)}
+    state: dict[str, Any] = {"model": model_state(model)}
+    if optimizer is not None:
+        state["optim"] = optimizer_state(model, optimizer)
+    if ema is not None:
+        state["ema"] = ema
+    return state
 
 
 def _prepare_root(root: Path, tmp: Path) -> None:
@@ -468,6 +482,8 @@ def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool, resto
     problems = model_mismatches(metadata, state["model"], partial)
     if "optim" in state:
         problems += _optimizer_mismatches(metadata, state["optim"])
+    if "ema" in state:
+        problems += _missing_or_misshaped(metadata, "ema.", state["ema"], "EMA")
     if problems:
         raise CheckpointError(f"{path} does not match the model:\n  " + "\n  ".join(problems))
     if weights_only:
@@ -497,15 +513,20 @@ def _saved_shapes(metadata: Metadata, prefix: str) -> dict[str, list[int]]:
 
 
 def _optimizer_mismatches(metadata: Metadata, optim_state: dict[str, Any]) -> list[str]:
-    saved = _saved_shapes(metadata, "optim.")
-    if not saved:
+    if not _saved_shapes(metadata, "optim."):
         return ["no optimizer state in checkpoint (load it with weights_only)"]
+    return _missing_or_misshaped(metadata, "optim.", optim_state, "optimizer")
+
+
+def _missing_or_misshaped(metadata: Metadata, prefix: str, state: dict[str, Any], what: str) -> list[str]:
+    """The tensors of `state` that the checkpoint lacks under `prefix` or holds in another shape."""
+    saved = _saved_shapes(metadata, prefix)
     problems = []
-    for name, tensor in _flat_tensors(optim_state):
+    for name, tensor in _flat_tensors(state):
         if name not in saved:
-            problems.append(("missing in checkpoint: optimizer", name, f"{list(tensor.shape)}"))
+            problems.append((f"missing in checkpoint: {what}", name, f"{list(tensor.shape)}"))
         elif saved[name] != list(tensor.shape):
-            problems.append(("shape mismatch: optimizer", name, f"checkpoint {saved[name]} vs {list(tensor.shape)}"))
+            problems.append((f"shape mismatch: {what}", name, f"checkpoint {saved[name]} vs {list(tensor.shape)}"))
     return _group_experts(problems)
 
 

@@ -151,6 +151,9 @@ class OptimConfig:
         bias_update_switch_step: step from which bias_update_rate_final applies (none: never)
         mtp_loss_scale_final: MTP weight after mtp_loss_switch_step
         mtp_loss_switch_step: step from which mtp_loss_scale_final applies (none: never)
+        ema_decay: keep an EMA of the parameters in CPU memory, updated in the background after
+            every step as ema = ema_decay * ema + (1 - ema_decay) * param, saved in checkpoints
+            (`python -m model.hf export --ema` writes it); none: no EMA
     """
 
     lr: float = 3e-3
@@ -170,6 +173,7 @@ class OptimConfig:
     bias_update_switch_step: Optional[int] = None
     mtp_loss_scale_final: float = 0.1
     mtp_loss_switch_step: Optional[int] = None
+    ema_decay: Optional[float] = None
 
 
 @dataclass
@@ -432,6 +436,7 @@ INTERVALS: dict[str, dict[str, Interval]] = {
         **dict.fromkeys(("lr_warmup_steps", "lr_constant_steps", "lr_tail_steps"), COUNT),
         "lr_decay_steps": Interval(low=1, optional=True),  # null: the rest of training
         **dict.fromkeys(("bias_update_switch_step", "mtp_loss_switch_step"), Interval(low=0, optional=True)),
+        "ema_decay": Interval(low=0, high=1, low_open=True, high_open=True, optional=True),  # null: no EMA
     },
     "data": {
         "valid_fraction": Interval(low=0, high=1, high_open=True, optional=True),

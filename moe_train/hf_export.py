@@ -4,7 +4,8 @@ config.json with the tokenizer's EOD as BOS/EOS, tokenizer files and generation_
 The source is a training checkpoint (a checkpoint root: its latest iteration; or an `iter_*` folder)
 or a native weight folder (`model.weights`). From a training checkpoint every rank of the job reads
 only its share of the tensors (round robin over the checkpoint's tensor names) and writes it, so no
-process holds the whole model; on one process that share is everything.
+process holds the whole model; on one process that share is everything. With `ema` the parameters
+are the checkpoint's EMA (`moe_train.ema`) and the buffers (router correction biases) the saved ones.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from model.args import ModelArgs
 from model.hf_layout import hf_config_from_args, hf_items
 from model.weights import ARGS_FILE, load_weights
-from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, on_all_ranks, quiet_dcp, read_metadata,
-                                  resolve_resume)
+from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, holds_ema, on_all_ranks, quiet_dcp,
+                                  read_metadata, resolve_resume)
 from moe_train.config import load_config
 from moe_train.hf_checkpoint import hf_file_layout, write_hf_folder
 from moe_train.hf_tokenizer import tokenizer_files
@@ -30,10 +31,12 @@ MAX_SHARD_BYTES = 5 * 2**30
 
 
 def export(src: Path, hf_dir: Path, dtype: torch.dtype | None = None, tokenizer: str | None = None,
-           process_group: dist.ProcessGroup | None = None) -> None:
-    """Export `src` to `hf_dir`; every rank calls it. `tokenizer` defaults to the checkpoint's
-    data.tokenizer ("byte" for a native weight folder)."""
+           process_group: dist.ProcessGroup | None = None, ema: bool = False) -> None:
+    """Export `src` to `hf_dir` (with `ema`: the EMA of the parameters); every rank calls it. `tokenizer`
+    defaults to the checkpoint's data.tokenizer ("byte" for a native weight folder)."""
     if (src / ARGS_FILE).is_file():
+        if ema:
+            raise CheckpointError(f"{src}: a native weight folder holds no EMA; --ema needs a training checkpoint")
         model = load_weights(src)
         state = model_state(model)
         write_export(state, meta_copy(state), model.args, hf_dir, dtype, tokenizer or "byte", process_group)
@@ -43,23 +46,32 @@ def export(src: Path, hf_dir: Path, dtype: torch.dtype | None = None, tokenizer:
                               f"native weight folder (no {ARGS_FILE})")
     folder = resolve_resume(str(src), src)
     config = load_config(folder / "config.yaml", [])
-    mine, full = rank_share(folder, process_group)
+    mine, full = rank_share(folder, process_group, ema)
     write_export(mine, full, config.model, hf_dir, dtype, tokenizer or config.data.tokenizer, process_group)
 
 
-def rank_share(folder: Path, process_group: dist.ProcessGroup | None) -> tuple[dict[str, torch.Tensor],
-                                                                              dict[str, torch.Tensor]]:
-    """This rank's model tensors of a training checkpoint, read from it, and all of them on the meta device."""
-    saved = {name.removeprefix("model."): item for name, item in read_metadata(folder).state_dict_metadata.items()
-             if name.startswith("model.") and isinstance(item, TensorStorageMetadata)}
-    names = sorted(saved)
+def rank_share(folder: Path, process_group: dist.ProcessGroup | None,
+               ema: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's model tensors of a training checkpoint, read from it (with `ema`: each parameter's EMA
+    in place of its value), and all of them on the meta device."""
+    metadata = read_metadata(folder)
+    if ema and not holds_ema(metadata):
+        raise CheckpointError(f"{folder} holds no EMA (trained without optim.ema_decay); export it without --ema")
+    saved = {name: item for name, item in metadata.state_dict_metadata.items()
+             if isinstance(item, TensorStorageMetadata)}
+    names = sorted(name.removeprefix("model.") for name in saved if name.startswith("model."))
+    prefix = {n: "ema" if ema and f"ema.{n}" in saved else "model" for n in names}
+    item = {n: saved[f"{prefix[n]}.{n}"] for n in names}
     rank, world = 0, 1
     if dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    mine = {n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype) for n in names[rank::world]}
-    on_all_ranks(lambda: quiet_dcp(dcp.load, {"model": mine}, storage_reader=dcp.FileSystemReader(folder),
+    mine = {n: torch.empty(item[n].size, dtype=item[n].properties.dtype) for n in names[rank::world]}
+    request: dict[str, dict[str, torch.Tensor]] = {}
+    for n, tensor in mine.items():
+        request.setdefault(prefix[n], {})[n] = tensor
+    on_all_ranks(lambda: quiet_dcp(dcp.load, request, storage_reader=dcp.FileSystemReader(folder),
                                    process_group=process_group), process_group, f"reading {folder}")
-    full = {n: torch.empty(saved[n].size, dtype=saved[n].properties.dtype, device="meta") for n in names}
+    full = {n: torch.empty(item[n].size, dtype=item[n].properties.dtype, device="meta") for n in names}
     return mine, full
 
 

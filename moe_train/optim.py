@@ -37,3 +37,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topolo
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def master_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The fp32 master value of each parameter this rank's optimizer steps (with ZeRO-1: its shard), by
+    parameter name. Today the parameters are the master weights; an optimizer that keeps fp32 main
+    parameters beside lower-precision model weights returns those here instead."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: p.detach() for group in optimizer.param_groups for p in group["params"]}

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from model.flops import training_flops_per_token
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import (CheckpointError, is_hf_folder, iteration_dir, latest_iteration, load_checkpoint,
-                                  resolve_resume, save_checkpoint)
+from moe_train.checkpoint import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
+                                  load_checkpoint, read_metadata, resolve_resume, save_checkpoint)
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
 from moe_train.config_help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
@@ -30,7 +30,8 @@ from moe_train.data.blend import parse_blend
 from moe_train.data.indexed_dataset import bin_path, idx_path
 from moe_train.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
-from moe_train.optim import build_optimizer, set_learning_rate
+from moe_train.ema import ParameterEMA
+from moe_train.optim import build_optimizer, master_weights, set_learning_rate
 from moe_train.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
 from moe_train.memory_limits import available_memory
 from moe_train.plan import start_up_memory_problems
@@ -48,6 +49,7 @@ from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
+from parallel.sharded_state import split_experts
 from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
 
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
@@ -171,6 +173,8 @@ class Trainer:
         self.model.to(self.device)
         self.compiled = compile_model(self.model, config.train.compile, config.train.precision)
         self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None)
+        self.ema = None if config.optim.ema_decay is None else ParameterEMA(
+            master_weights(self.model, self.optimizer), config.optim.ema_decay)
         self.grads = GradientSync(self.model, topology,
                                   () if self.pipeline is None else self.pipeline.replicas.norm_duplicates)
         dp_size, dp_rank = (1, 0) if topology is None else (topology.dp, topology.dp_rank)
@@ -214,20 +218,40 @@ class Trainer:
         return train, valid
 
     def _resume(self) -> None:
+        """Load `checkpoint.resume`. The EMA (started from the initial weights) is loaded with the rest, or,
+        where the checkpoint holds none or checkpoint.weights_only is set, restarted from the loaded weights."""
         ckpt = self.cfg.checkpoint
         path = resolve_resume(ckpt.resume, self.cfg.checkpoint_dir)
         if path is None:
             return
         if is_hf_folder(path):
             self._start_from_hf(path)
-            return
+            ema = None
+        else:
+            ema = self._load(path)
+        if self.ema is not None and ema is None:
+            self.ema.restart()
+            if self.is_logger:
+                why = "checkpoint.weights_only" if ckpt.weights_only else "the checkpoint holds none"
+                print(f"optim.ema_decay: no EMA loaded from {path} ({why}); the EMA starts from its weights",
+                      flush=True)
+
+    def _load(self, path: Path) -> dict[str, torch.Tensor] | None:
+        """Load a checkpoint of ours; returns the EMA tensors it filled, or None."""
+        ckpt = self.cfg.checkpoint
+        ema = self.ema_state() if not ckpt.weights_only and holds_ema(read_metadata(path)) else None
         extra = load_checkpoint(path, self.model, None if ckpt.weights_only else self.optimizer,
-                                weights_only=ckpt.weights_only, partial=self.pipeline is not None)
+                                weights_only=ckpt.weights_only, partial=self.pipeline is not None, ema=ema)
         if not ckpt.weights_only:
             self.step = extra["step"]
             self.sampler.load_state_dict(extra["data"])
         if self.is_logger:
             print(f"resumed from {path} at step {self.step}", flush=True)
+        return ema
+
+    def ema_state(self) -> dict[str, torch.Tensor] | None:
+        """This rank's EMA tensors keyed as the checkpoint holds them (experts split per expert), or None."""
+        return None if self.ema is None else split_experts(self.model, self.ema.average)
 
     def _start_from_hf(self, path: Path) -> None:
         """The weights of a Hugging Face folder, each rank reading only its own (moe_train.hf_checkpoint)."""
@@ -246,26 +270,33 @@ class Trainer:
         return f"the last good checkpoint is kept: {iteration_dir(self.cfg.checkpoint_dir, step)}"
 
     def state_is_finite(self) -> bool:
-        """Whether every weight, buffer and optimizer state tensor of the whole job is finite: one
+        """Whether every weight, buffer, optimizer state and EMA tensor of the whole job is finite: one
         all-reduce and one host read, made before each save."""
         tensors = [*self.model.parameters(), *self.model.buffers(),
                    *(v for state in self.optimizer.state.values() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.is_floating_point())]
-        finite = torch.stack([t.isfinite().all() for t in tensors]).all().float()
+        finite = torch.stack([t.isfinite().all() for t in tensors]).all()
+        if self.ema is not None:
+            finite = finite & self.ema.finite().to(finite.device)
+        finite = finite.float()
         if self.topology is not None:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 
     def save(self) -> Path:
-        """Write a checkpoint of the current step; TrainingDiverged instead when the state is not finite."""
+        """Write a checkpoint of the current step, the EMA after its last update included; TrainingDiverged
+        instead when the state is not finite."""
+        if self.ema is not None:
+            self.ema.wait()
         if not self.state_is_finite():
-            raise TrainingDiverged(f"step {self.step}: non-finite weights or optimizer state, not saving them; "
+            raise TrainingDiverged(f"step {self.step}: non-finite weights, optimizer state or EMA, not saving them; "
                                    f"{self.kept_checkpoint()}")
         extra = {"step": self.step, "data": self.sampler.state_dict(),
                  "consumed_samples": self.sampler.consumed_samples}
         return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
                                keep=self.cfg.checkpoint.keep, text_files={"config.yaml": to_yaml(self.cfg)},
-                               process_group=None if self.topology is None else dist.group.WORLD)
+                               process_group=None if self.topology is None else dist.group.WORLD,
+                               ema=self.ema_state())
 
     def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, torch.Tensor]:
         """Backward of this rank's mean loss; returns the global-batch mean of each loss part (on the device)."""
@@ -344,7 +375,7 @@ class Trainer:
         return losses
 
     def apply_update(self) -> dict[str, torch.Tensor]:
-        """Clip, optimizer step, router-bias update; advances the step counter.
+        """Clip, optimizer step, EMA update (moe_train.ema), router-bias update; advances the step counter.
 
         A step whose global gradient norm is not finite is skipped on the device (every rank sees the
         same norm): the fused AdamW gets it as `found_inf` and leaves weights, moments and step
@@ -355,6 +386,8 @@ class Trainer:
         skipped = (~grad_norm.isfinite()).float()
         self.optimizer.found_inf = skipped
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
         self.step += 1
@@ -451,6 +484,8 @@ class Trainer:
             print(f"{line}; {self.kept_checkpoint()}", file=sys.stderr, flush=True)
             return EXIT_PEER_FAILED
         finally:
+            if self.ema is not None:
+                self.ema.close()
             self.logger.close()
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
         return 0

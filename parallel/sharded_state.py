@@ -4,7 +4,8 @@ Keys are layout-independent: replicated tensors keep their module names, each ro
 its own key (`<name>.expert_<global id>`), and AdamW state is keyed by parameter name. Values are
 views of the live tensors, so `torch.distributed.checkpoint` saves them as they are and loads
 into them in place. A checkpoint written by one layout (one process, or any dp x ep) therefore
-loads into any other: each rank simply asks for the keys it holds now.
+loads into any other: each rank simply asks for the keys it holds now. The EMA of the parameters
+(moe_train.ema) is keyed the same way (`split_experts`).
 """
 from __future__ import annotations
 
@@ -31,13 +32,18 @@ def _split(name: str, tensor: torch.Tensor, offsets: dict[str, int], out: dict[s
         out[f"{name}.expert_{offsets[prefix] + local}"] = expert
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers (router biases included), experts split per expert."""
+def split_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors`, keyed by `model`'s state names, with each routed expert's slice under its own key."""
     offsets = _expert_offsets(model)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in tensors.items():
         _split(name, tensor, offsets, out)
     return out
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (router biases included), experts split per expert."""
+    return split_experts(model, model.state_dict())
 
 
 def _owned_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

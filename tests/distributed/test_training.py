@@ -4,6 +4,7 @@ Every rank builds the distributed trainer and, as the independent reference, a s
 trainer on the same config; each step compares the global losses, every reduced gradient (expert
 gradients against the matching slice of the reference) and the updated parameters.
 """
+import random
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from moe_train.optim import set_learning_rate
 from moe_train.schedules import learning_rate
 from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
+from parallel.sharded_state import model_state
 from parallel.topology import build_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,17 +122,21 @@ def test_native_counts_the_bytes_hierarchical_counts(pools, kernels_cpu, corpus_
         assert native["loss"] < 1e-5 and hierarchical["loss"] < 1e-5, rank
 
 
-def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str) -> list[float]:
-    """Train `steps` steps with this layout from the checkpoint in run_dir (if any), then save."""
+def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str,
+                   decay: float) -> tuple[list[float], dict]:
+    """Train `steps` steps with this layout from the checkpoint in run_dir (if any), then save; returns the
+    losses and this rank's EMA tensors by checkpoint key (ZeRO-1: of the parameters it owns)."""
     import torch.distributed as dist
 
     topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
     try:
-        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", "checkpoint.resume=auto", "train.steps=4")
+        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", "checkpoint.resume=auto", "train.steps=4",
+                             f"optim.ema_decay={decay}")
         trainer = Trainer(config, topology)
         losses = [m["loss"] for m in read_metrics([trainer.train_step() for _ in range(steps)])]
         trainer.save()
-        return losses
+        trainer.ema.close()
+        return losses, trainer.ema_state()
     finally:
         topology.destroy_groups()
         dist.barrier()
@@ -139,11 +145,25 @@ def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_
 @pytest.mark.parametrize("first, second", [((4, 4, 2), (2, 2, 1)), ((2, 2, 1), (4, 2, 2))],
                          ids=["dp4-ep4-to-dp2-ep2", "dp2-ep2-to-dp4-ep2"])
 def test_checkpoint_resumes_with_another_layout(pools, corpus_cache, tmp_path, first, second):
+    """The losses, and the EMA of the parameters (optim.ema_decay) on each layout: every parameter's EMA on
+    exactly one rank (its ZeRO-1 owner), equal to the single-process EMA after the same steps."""
+    decay = random.SystemRandom().uniform(0.5, 0.95)
+    print(f"ema_decay={decay}")
     run_dir = str(tmp_path / "run")
-    reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), "train.steps=4"))
-    expected = [m["loss"] for m in read_metrics([reference.train_step() for _ in range(4)])]
-    world, ep, per_node = first
-    before = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, deadline_s=300)[0]
-    world, ep, per_node = second
-    after = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, deadline_s=300)[0]
-    assert before + after == pytest.approx(expected, rel=1e-5)
+    reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), "train.steps=4", f"optim.ema_decay={decay}"))
+    expected, expected_ema = [], []
+    for _ in range(2):
+        expected += [m["loss"] for m in read_metrics([reference.train_step() for _ in range(2)])]
+        reference.ema.wait()
+        expected_ema.append({k: v.clone() for k, v in reference.ema_state().items()})
+    losses = []
+    for (world, ep, per_node), want in zip((first, second), expected_ema):
+        results = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, decay, deadline_s=300)
+        losses += results[0][0]
+        keys = [key for _, ema in results for key in ema]
+        assert sorted(keys) == sorted(want), "each parameter's EMA is kept by one rank"
+        worst = max((ema[k] - want[k]).abs().max().item() for _, ema in results for k in ema)
+        lag = max((want[k] - v).abs().max().item() for k, v in model_state(reference.model).items() if k in want)
+        print(f"{world} processes, ep {ep}: max |EMA - single-process EMA| = {worst:.3g}, EMA - weights {lag:.3g}")
+        assert worst < 4e-5 < lag / 10
+    assert losses == pytest.approx(expected, rel=1e-5)

@@ -24,10 +24,12 @@ from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (
     LATEST_FILE,
     CheckpointError,
+    holds_ema,
     iteration_dir,
     latest_iteration,
     list_iterations,
     load_checkpoint,
+    read_metadata,
     resolve_resume,
     save_checkpoint,
 )
@@ -177,6 +179,22 @@ def test_saving_a_step_again_replaces_it_and_removes_leftovers_of_killed_saves(t
     fresh, fresh_optimizer = small_model(seed + 1)
     assert load_checkpoint(iteration_dir(tmp_path, 5), fresh, fresh_optimizer)["version"] == 2
     assert_same_state(fresh, fresh_optimizer, expected)
+
+
+def test_the_ema_is_saved_under_its_own_prefix_loaded_in_place_and_a_missing_one_is_named(tmp_path, seed):
+    model, optimizer = small_model(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ema = {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+    with_ema = save_checkpoint(tmp_path / "a", 1, model, optimizer, {"step": 1}, keep=1, ema=ema)
+    without = save_checkpoint(tmp_path / "b", 1, model, optimizer, {"step": 1}, keep=1)
+    assert holds_ema(read_metadata(with_ema)) and not holds_ema(read_metadata(without))
+    assert {k for k in read_metadata(with_ema).state_dict_metadata if k.startswith("ema.")} == {f"ema.{n}" for n in ema}
+    fresh, fresh_optimizer = small_model(seed + 1)
+    loaded = {name: torch.zeros_like(t) for name, t in ema.items()}
+    load_checkpoint(with_ema, fresh, fresh_optimizer, ema=loaded)
+    assert all(torch.equal(loaded[n], t) for n, t in ema.items())
+    with pytest.raises(CheckpointError, match=r"missing in checkpoint: EMA: 0.weight \[7, 5\]"):
+        load_checkpoint(without, fresh, fresh_optimizer, ema=loaded)
 
 
 @pytest.mark.parametrize("content, message", [

@@ -108,9 +108,11 @@ def test_moe_layer_syncs_only_for_the_split_sizes_of_each_all_to_all():
 
 
 def test_single_process_step_syncs_only_to_read_its_metrics(tmp_path):
+    """With the EMA of the parameters on: its copy to the host (pinned and non_blocking on CUDA) and its
+    background update add none."""
     config = load_config(ROOT / "moe_train/configs/tiny.yaml", [
         f"data.cache_dir={tmp_path / 'cache'}", "data.demo_max_bytes=300000", f"logging.dir={tmp_path / 'run'}",
-        "logging.tensorboard=false", "checkpoint.resume=none"])
+        "logging.tensorboard=false", "checkpoint.resume=none", "optim.ema_decay=0.9"])
     trainer = Trainer(config)
     with HostSyncCounter() as counter:
         steps = [trainer.train_step() for _ in range(3)]

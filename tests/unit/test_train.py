@@ -162,7 +162,7 @@ def test_save_refuses_non_finite_weights(tmp_path, cache_dir):
     trainer.save()
     trainer.train_step()
     trainer.model.norm.weight.data[0] = float("inf")
-    with pytest.raises(TrainingDiverged, match="step 2: non-finite weights or optimizer state, not saving them; "
+    with pytest.raises(TrainingDiverged, match="step 2: non-finite weights, optimizer state or EMA, not saving them; "
                                                "the last good checkpoint is kept: .*iter_0000001"):
         trainer.save()
     assert latest_iteration(run / "checkpoints") == 1 and list_iterations(run / "checkpoints") == [1]
