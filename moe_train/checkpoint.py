@@ -15,7 +15,9 @@ A save writes everything into `iter_XXXXXXX.tmp`, fsyncs files and folders, rena
 its final name, then replaces the latest file (write, fsync, `os.replace`), and only then deletes
 checkpoints older than the newest `keep`. A process killed at any moment therefore leaves the
 latest file pointing to a complete folder; what a killed save left behind ends in `.tmp` and is
-removed by the next save. Checkpoints are trusted input: DCP's own metadata is a pickle.
+removed by the next save. Loading runs no code from a checkpoint: its pickled files (DCP's metadata,
+extra.pt, the RNG files) are read with allow-lists (moe_train.safe_unpickle), and a file that names
+anything else is refused in one line.
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ from torch import nn
 from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from moe_train.data.atomic import fsync_dir
+from moe_train.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
 from parallel.sharded_state import model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -65,8 +68,31 @@ def corrupt_file(file: Path, err: BaseException) -> CheckpointError:
     return CheckpointError(f"{file} is corrupt or not a checkpoint of this program ({type(err).__name__})")
 
 
+def refused_file(file: Path, err: UnsafePickle) -> CheckpointError:
+    """The one line for a pickled checkpoint file that names code outside its allow-list; nothing of it ran."""
+    return CheckpointError(f"{file}: refused to load {', '.join(err.names)}: checkpoints of this program never "
+                           "hold code, so this file was not written by it or was altered (nothing of it was run)")
+
+
 class NamingReader(dcp.FileSystemReader):
-    """DCP's reader, one data file at a time, so that a file that cannot be read is named (`corrupt_file`)."""
+    """DCP's reader, one data file at a time, so that a file that cannot be read is named (`corrupt_file`),
+    and reading the metadata through the allow-list of moe_train.safe_unpickle instead of a full unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        file = Path(self.path) / METADATA_FILE
+        try:
+            with open(file, "rb") as stream:
+                metadata = load_dcp_metadata(stream)
+        except UnsafePickle as err:
+            raise refused_file(file, err) from None
+        except Exception as err:  # any unpickling failure means a corrupt file
+            raise corrupt_file(file, err) from err
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{file} is not DCP metadata (it holds a {type(metadata).__name__})")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -285,10 +311,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     metadata_path = path / METADATA_FILE
     if not metadata_path.is_file():
         raise CheckpointError(f"{path}: no {METADATA_FILE} file, not a complete DCP checkpoint")
-    try:
-        return dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # any unpickling failure means a corrupt file
-        raise corrupt_file(metadata_path, err) from err
+    return NamingReader(path).read_metadata()
 
 
 def holds_ema(metadata: Metadata) -> bool:
@@ -542,15 +565,21 @@ def _flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
             yield from _flat_tensors(value, f"{prefix}.{index}" if prefix else str(index))
 
 
-def _read_extra(path: Path) -> dict:
-    """The `extra` dict; a full unpickler because it holds arbitrary picklable training state."""
-    file = path / EXTRA_FILE
+def _read_plain(file: Path) -> Any:
+    """A file of ours holding only tensors, numbers, strings and containers (moe_train.safe_unpickle)."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        return load_plain(file)
     except FileNotFoundError as err:
         raise CheckpointError(f"{file} is missing") from err
+    except UnsafePickle as err:
+        raise refused_file(file, err) from None
     except Exception as err:  # any unpickling failure means a corrupt file
         raise corrupt_file(file, err) from err
+
+
+def _read_extra(path: Path) -> dict:
+    """The `extra` dict (step, data position, ...): plain values only."""
+    return _read_plain(path / EXTRA_FILE)
 
 
 def _read_rng(path: Path) -> dict | None:
@@ -559,7 +588,4 @@ def _read_rng(path: Path) -> dict | None:
     if not file.is_file():
         warnings.warn(f"{file} does not exist: RNG states not restored on this rank")
         return None
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # any unpickling failure means a corrupt file
-        raise corrupt_file(file, err) from err
+    return _read_plain(file)

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from model.args import ModelArgs
 from model.hf_layout import hf_config_from_args, hf_items
 from model.weights import ARGS_FILE, load_weights
-from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, holds_ema, on_all_ranks, quiet_dcp,
-                                  read_metadata, resolve_resume)
+from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, NamingReader, holds_ema, on_all_ranks,
+                                  quiet_dcp, read_metadata, resolve_resume)
 from moe_train.config import load_config
 from moe_train.hf_checkpoint import hf_file_layout, write_hf_folder
 from moe_train.hf_tokenizer import tokenizer_files
@@ -69,7 +69,7 @@ def rank_share(folder: Path, process_group: dist.ProcessGroup | None,
     request: dict[str, dict[str, torch.Tensor]] = {}
     for n, tensor in mine.items():
         request.setdefault(prefix[n], {})[n] = tensor
-    on_all_ranks(lambda: quiet_dcp(dcp.load, request, storage_reader=dcp.FileSystemReader(folder),
+    on_all_ranks(lambda: quiet_dcp(dcp.load, request, storage_reader=NamingReader(folder),
                                    process_group=process_group), process_group, f"reading {folder}")
     full = {n: torch.empty(item[n].size, dtype=item[n].properties.dtype, device="meta") for n in names}
     return mine, full

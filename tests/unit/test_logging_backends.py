@@ -64,8 +64,11 @@ def offline_runs(run_dir) -> list[str]:
     return sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
 
 
-def test_wandb_offline_logs_the_metrics_scalars(tmp_path):
+def test_wandb_offline_logs_the_metrics_scalars(tmp_path, monkeypatch):
+    """... and no file of the run directory (metrics, config, checkpoints, W&B's own) holds the W&B key."""
     pytest.importorskip("wandb")
+    key = "0123456789abcdef0123456789abcdef0123test"
+    monkeypatch.setenv("WANDB_API_KEY", key)
     run = tmp_path / "run"
     assert main(run_args(run, "train.steps=3", "train.log_interval=1", "logging.wandb_project=moe-test",
                          "logging.wandb_mode=offline")) == 0
@@ -74,8 +77,10 @@ def test_wandb_offline_logs_the_metrics_scalars(tmp_path):
     history = offline_history(path)
     assert [h["_step"] for h in history] == [r["step"] for r in records] == [1, 2, 3]
     for logged, record in zip(history, records):
-        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "consumed_samples"):
-            assert logged[f"train/{key}"] == record[key], key
+        for name in ("loss", "lm_loss", "mtp_loss", "aux_loss", "lr", "grad_norm", "consumed_samples"):
+            assert logged[f"train/{name}"] == record[name], name
+    holders = [str(f) for f in run.rglob("*") if f.is_file() and key.encode() in f.read_bytes()]
+    assert holders == [] and (run / "checkpoints").is_dir()
 
 
 def test_a_resumed_run_logs_on_into_the_same_wandb_run(tmp_path):
