@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from moe_train.data.atomic import fsync_dir
-from parallel.sharded_state import model_state, optimizer_state
+from parallel.sharded_state import ADAM_STATE, model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 EXTRA_FILE = "extra.pt"
@@ -50,6 +50,7 @@ TMP_SUFFIX = ".tmp"
 HF_CONFIG_FILE = "config.json"  # marks a Hugging Face folder (moe_train.hf_checkpoint)
 _ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
 _EXPERT_KEY = re.compile(r"(.+)\.expert_([0-9]+)")
+_MOMENT_KEY = re.compile(rf"optim\..+\.({'|'.join(ADAM_STATE)})(\.expert_[0-9]+)?")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -284,6 +285,12 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         return dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # any unpickling failure means a corrupt file
         raise corrupt_file(metadata_path, err) from err
+
+
+def saved_moment_dtypes(path: str | os.PathLike) -> set[torch.dtype]:
+    """The dtypes of the Adam moments in a checkpoint folder (empty without optimizer state)."""
+    return {item.properties.dtype for key, item in read_metadata(path).state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata) and _MOMENT_KEY.fullmatch(key)}
 
 
 def _tmp_name(path: Path) -> Path:
