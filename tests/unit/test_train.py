@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
+from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import load_config
 from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
@@ -280,6 +281,18 @@ def test_bf16_loss_curve_follows_fp32(cache_dir):
     assert curves["bf16"][0] == pytest.approx(curves["fp32"][0], abs=1e-3)  # same model and batch
     assert worst < 0.1 and mean < 0.04
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
+
+
+def test_bf16_moments_loss_curve_follows_fp32_moments(cache_dir):
+    """benchmarks/bf16_moments_curves on 4 tiny steps: the first losses are equal (no update yet), the
+    later ones differ (the moments' rounding reaches the weights) by bf16 noise only."""
+    settings = [f"data.cache_dir={cache_dir}", "data.demo_max_bytes=400000", "train.threads=1"]
+    curves = moment_curves(TINY, 4, settings)
+    print(f"seed {load_config(TINY).train.seed}")
+    worst, mean = curve_difference(curves["bf16"], curves["fp32"])
+    print(f"|bf16 - fp32 moments|: max {worst:.2e}, mean {mean:.2e}")
+    assert curves["bf16"][0] == curves["fp32"][0]
+    assert 0 < worst < 1e-3
 
 
 LAUNCHER_REFUSALS = {
