@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from moe_train.data.atomic import fsync_dir
 from moe_train.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
-from parallel.sharded_state import model_state, optimizer_state
+from parallel.sharded_state import ADAM_STATE, model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 EXTRA_FILE = "extra.pt"
@@ -54,6 +54,7 @@ TMP_SUFFIX = ".tmp"
 HF_CONFIG_FILE = "config.json"  # marks a Hugging Face folder (moe_train.hf_checkpoint)
 _ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
 _EXPERT_KEY = re.compile(r"(.+)\.expert_([0-9]+)")
+_MOMENT_KEY = re.compile(rf"optim\..+\.({'|'.join(ADAM_STATE)})(\.expert_[0-9]+)?")
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -317,6 +318,12 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
 def holds_ema(metadata: Metadata) -> bool:
     """Whether a checkpoint (its DCP metadata) holds an EMA of the parameters."""
     return bool(_saved_shapes(metadata, "ema."))
+
+
+def saved_moment_dtypes(path: str | os.PathLike) -> set[torch.dtype]:
+    """The dtypes of the Adam moments in a checkpoint folder (empty without optimizer state)."""
+    return {item.properties.dtype for key, item in read_metadata(path).state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata) and _MOMENT_KEY.fullmatch(key)}
 
 
 def _tmp_name(path: Path) -> Path:

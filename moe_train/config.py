@@ -18,6 +18,7 @@ import yaml
 from model.args import SELECTIVE_RECOMPUTE, ModelArgs
 from model.intervals import COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_COUNT, PROBABILITY, Interval, interval_problems
 from moe_train.data.blend import parse_blend
+from parallel.adamw import BF16_BETA_LIMIT, MOMENT_DTYPES
 from parallel.pipeline.builders import SCHEDULES
 from parallel.pipeline.builders.zb_auto import parse_zb_costs
 from parallel.pipeline.timeline import Costs
@@ -140,6 +141,9 @@ class OptimConfig:
         adam_beta1: AdamW's beta1
         adam_beta2: AdamW's beta2
         adam_eps: AdamW's epsilon
+        moment_dtype: dtype AdamW stores its two moments in: fp32, or bf16 (DeepSeek-V3; the update
+            still runs in fp32 against the fp32 master weights; betas above 1 - 2^-8 are refused, see
+            parallel.adamw); a resume from a checkpoint with the other dtype converts them
         clip_grad: global gradient-norm clip (0: none)
         lr_schedule: constant, cosine or dsv3 (warm-up, constant, cosine, tail)
         lr_warmup_steps: linear warm-up steps
@@ -162,6 +166,7 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    moment_dtype: str = "fp32"
     clip_grad: float = 1.0
     lr_schedule: str = "cosine"
     lr_warmup_steps: int = 10
@@ -488,6 +493,12 @@ def validate(config: Config) -> list[tuple[str, str]]:
                                           f"{config.model.recompute_modules}: use train.compile=none"))
     _choice(problems, "train.device", t.device, DEVICES)
     _choice(problems, "optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    _choice(problems, "optim.moment_dtype", o.moment_dtype, tuple(MOMENT_DTYPES))
+    for key in ("adam_beta1", "adam_beta2"):
+        if o.moment_dtype == "bf16" and BF16_BETA_LIMIT < getattr(o, key) < 1:
+            problems.append((f"optim.{key}", f"{getattr(o, key)} with optim.moment_dtype=bf16: a bf16 moment cannot "
+                                             f"decay by less than 2^-8 per step (beta at most {BF16_BETA_LIMIT}); "
+                                             "use a smaller beta or optim.moment_dtype=fp32"))
     _choice(problems, "parallel.dispatcher", p.dispatcher, DISPATCHERS)
     _choice(problems, "parallel.schedule", p.schedule, tuple(SCHEDULES))
     if o.min_lr > o.lr:

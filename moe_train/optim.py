@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moe_train.config import OptimConfig
+from parallel.adamw import make_adamw
 from parallel.topology import Topology
 from parallel.zero import ZeroOneAdamW
 
@@ -22,16 +23,18 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None):
-    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas).
+    """AdamW with `optim.moment_dtype` moments (parallel.adamw.make_adamw); with a topology, ZeRO-1
+    (state sharded over the data-parallel replicas, each rank's share stepped by the same AdamW).
 
-    The fused implementation keeps its step counts on the parameters' device, so a step reads no
-    value back to the host (the others call `.item()` on each parameter's step count).
+    Both AdamWs keep their step counts on the parameters' device, so a step reads no value back to
+    the host (torch's unfused ones call `.item()` on each parameter's step count).
     """
     groups = parameter_groups(model, optim.weight_decay)
-    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, fused=True)
+    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
+                  moment_dtype=optim.moment_dtype)
     if zero1_topology is not None:
         return ZeroOneAdamW(model, groups, zero1_topology, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    return make_adamw(groups, **kwargs)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:

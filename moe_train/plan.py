@@ -10,14 +10,14 @@ state, peak activations (the simulated schedule's F/backward order times the per
 estimate), the simulated bubble, and the expert-dispatch traffic per step (moe_train/plan_traffic.py).
 
 Memory per rank, as the trainer keeps it: fp32 parameters (they are the master weights) and fp32
-gradients; Adam's two fp32 moments and step count of the data-parallel rank that ZeRO-1 (whole
-tensors: dense ones over dp, expert ones over expert-dp) gives the most; activations as
-moe_train/plan_stages.py models them (with bf16, the weight copies autocast keeps per micro-batch
-included); and --reserve-gib for the CUDA context, communication buffers and allocator
-fragmentation. model.recompute_modules lowers what each decoder layer keeps (moe_train/plan_stages.py):
-with [full] a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with
-every problem named by its config key when the layout cannot work, or when --gpu-memory-gib is
-given and a rank does not fit.
+gradients; Adam's two moments (fp32, or bf16 with optim.moment_dtype) and step count of the
+data-parallel rank that ZeRO-1 (whole tensors: dense ones over dp, expert ones over expert-dp)
+gives the most; activations as moe_train/plan_stages.py models them (with bf16, the weight copies
+autocast keeps per micro-batch included); and --reserve-gib for the CUDA context, communication
+buffers and allocator fragmentation. model.recompute_modules lowers what each decoder layer keeps
+(moe_train/plan_stages.py): with [full] a stage stores the layer inputs plus one layer's activations
+at a time. Exit 2 with every problem named by its config key when the layout cannot work, or when
+--gpu-memory-gib is given and a rank does not fit.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from moe_train.memory_limits import MemoryLimit
 from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
     rank_parameters
 from moe_train.plan_traffic import expected_routing, token_traffic
+from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
 from parallel.pipeline.timeline import Timeline, simulate
@@ -149,13 +150,18 @@ def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], m
     return peak
 
 
-def _adam_bytes(dense: list[int], expert: list[int], dp: int, ep: int, zero1: bool) -> float:
-    """Adam state of the worst data-parallel rank: two fp32 moments per element and fused AdamW's
-    fp32 step count per tensor, of the tensors ZeRO-1 deals that rank (as parallel.zero does:
-    dense ones over dp, expert ones over expert-dp, whole tensors)."""
+def moment_bytes(config: Config) -> int:
+    """Bytes of Adam's two moments per parameter element: 8 in fp32, 4 in bf16 (optim.moment_dtype)."""
+    return 2 * MOMENT_DTYPES[config.optim.moment_dtype].itemsize
+
+
+def _adam_bytes(dense: list[int], expert: list[int], dp: int, ep: int, zero1: bool, per_element: int) -> float:
+    """Adam state of the worst data-parallel rank: the two moments, `per_element` bytes per element,
+    and the fp32 step count per tensor (parallel.adamw), of the tensors ZeRO-1 deals that rank (as
+    parallel.zero does: dense ones over dp, expert ones over expert-dp, whole tensors)."""
     def owned(sizes: list[int], members: int) -> list[float]:
         owners = partition(sizes, members)
-        return [sum(8 * n + 4 for n, o in zip(sizes, owners) if o == m) for m in range(members)]
+        return [sum(per_element * n + 4 for n, o in zip(sizes, owners) if o == m) for m in range(members)]
 
     dense_members = dp if zero1 else 1
     dense_owned, expert_owned = owned(dense, dense_members), owned(expert, dense_members // ep or 1)
@@ -189,7 +195,7 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
         ranks.append(RankPlan(
             pp_rank=rank, stages=on_rank, dense_params=dense, expert_params=expert,
             weights=8 * (dense + expert),
-            optimizer=_adam_bytes(dense_sizes, expert_sizes, dp, p.ep, p.zero1),
+            optimizer=_adam_bytes(dense_sizes, expert_sizes, dp, p.ep, p.zero1, moment_bytes(config)),
             activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b),
             peak_units=timeline.peak_activations[rank],
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
@@ -221,12 +227,13 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
     """A lower bound of one process's memory against `available`, what `memory` (e.g. "cpu memory")
     offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
     (make_plan builds the stages' modules, too slow for a model that is far too large): parameters,
-    gradients and Adam state (16 bytes each) as if spread evenly over all `world` processes, plus one
-    micro-batch's activations of the first stage's layers unless they are recomputed, plus the token
-    rows of a step's micro-batches on this rank (int64, read before the step starts)."""
+    gradients and Adam moments (16 bytes per parameter, 12 with bf16 moments) as if spread evenly
+    over all `world` processes, plus one micro-batch's activations of the first stage's layers unless
+    they are recomputed, plus the token rows of a step's micro-batches on this rank (int64, read
+    before the step starts)."""
     a, t, pp = config.model, config.train, config.parallel.pp
     counts = count_parameters(a)
-    states = 16 * (counts.total + counts.mtp_total) / world
+    states = (8 + moment_bytes(config)) * (counts.total + counts.mtp_total) / world
     activations = 0.0
     if FULL_RECOMPUTE not in config.model.recompute_modules:
         tokens = t.micro_batch_size * t.seq_length

@@ -21,7 +21,8 @@ from model.flops import training_flops_per_token
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
-                                  load_checkpoint, read_metadata, resolve_resume, save_checkpoint)
+                                  load_checkpoint, read_metadata, resolve_resume, save_checkpoint,
+                                  saved_moment_dtypes)
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
 from moe_train.config_help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
@@ -42,6 +43,7 @@ from moe_train.runtime import (autocast, compile_model, configure_threads, devic
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from moe_train.stop import StopRequest
 from moe_train.stop_signals import ignore_stop_signals
+from parallel.adamw import MOMENT_DTYPES
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.failures import collective_failure
@@ -247,11 +249,22 @@ class Trainer:
             self.sampler.load_state_dict(extra["data"])
         if self.is_logger:
             print(f"resumed from {path} at step {self.step}", flush=True)
+            if not ckpt.weights_only:
+                self._note_moment_conversion(path)
         return ema
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         """This rank's EMA tensors keyed as the checkpoint holds them (experts split per expert), or None."""
         return None if self.ema is None else split_experts(self.model, self.ema.average)
+
+    def _note_moment_conversion(self, path: Path) -> None:
+        """One line when the checkpoint's Adam moments have another dtype than `optim.moment_dtype`: loading
+        converted them (fp32 to bf16 rounds to nearest even, bf16 to fp32 is exact)."""
+        wanted = self.cfg.optim.moment_dtype
+        saved = sorted(name for name, dtype in MOMENT_DTYPES.items() if dtype in saved_moment_dtypes(path))
+        if saved and saved != [wanted]:
+            print(f"resume: Adam moments converted from {', '.join(saved)} (the checkpoint's) to {wanted} "
+                  "(optim.moment_dtype)", flush=True)
 
     def _start_from_hf(self, path: Path) -> None:
         """The weights of a Hugging Face folder, each rank reading only its own (moe_train.hf_checkpoint)."""

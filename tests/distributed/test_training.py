@@ -30,13 +30,15 @@ def tiny_config(cache_dir: str, run_dir: str, *extra: str):
 
 
 def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_dir: str, run_dir: str,
-                                *extra: str) -> dict:
+                                *extra: str, shared: tuple[str, ...] = ()) -> dict:
+    """The worst differences of 3 steps; `extra` overrides apply to the distributed run, `shared` to both."""
     import torch.distributed as dist
 
     topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
     try:
-        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}", *extra)
-        reference = Trainer(tiny_config(cache_dir, f"{run_dir}_ref{dist.get_rank()}"))  # one log dir per rank
+        config = tiny_config(cache_dir, run_dir, f"parallel.ep={ep}", f"parallel.zero1={str(zero1).lower()}", *extra,
+                             *shared)
+        reference = Trainer(tiny_config(cache_dir, f"{run_dir}_ref{dist.get_rank()}", *shared))  # one log dir per rank
         trainer = Trainer(config, topology)
         first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
@@ -69,6 +71,8 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
         dispatcher = trainer.model.moe_blocks()[0].dispatcher
         worst["dispatcher"] = type(dispatcher).__name__
         worst["traffic"] = dict(dispatcher.traffic.bytes)
+        worst["moment_dtypes"] = {str(v.dtype) for optimizer in (trainer.optimizer, reference.optimizer)
+                                  for state in optimizer.state.values() for k, v in state.items() if k != "step"}
         return worst
     finally:
         topology.destroy_groups()
@@ -106,6 +110,17 @@ def test_dp_ep_training_equals_single_process(pools, corpus_cache, tmp_path, wor
         assert worst["loss"] < 1e-5, (rank, worst)
         assert worst["grad"] < 1e-5, (rank, worst)
         assert worst["grad_norm"] < 1e-5, (rank, worst)
+        assert worst["param"] < 4e-5, (rank, worst)
+        assert worst["moved_bias"] > 0 and worst["bias"] < 1e-7, (rank, worst)
+
+
+def test_zero1_with_bf16_moments_equals_single_process(pools, corpus_cache, tmp_path):
+    """ZeRO-1 over dp 2 (dense tensors over dp, experts over expert-dp), each owner stepping bf16 moments."""
+    results = pools.get(2).run(compare_with_single_process, 1, 1, True, corpus_cache, str(tmp_path / "run"),
+                               shared=("optim.moment_dtype=bf16",), deadline_s=300)
+    for rank, worst in enumerate(results):
+        assert worst["moment_dtypes"] == {"torch.bfloat16"}, (rank, worst)
+        assert worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["grad_norm"] < 1e-5, (rank, worst)
         assert worst["param"] < 4e-5, (rank, worst)
         assert worst["moved_bias"] > 0 and worst["bias"] < 1e-7, (rank, worst)
 

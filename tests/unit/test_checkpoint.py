@@ -32,7 +32,9 @@ from moe_train.checkpoint import (
     read_metadata,
     resolve_resume,
     save_checkpoint,
+    saved_moment_dtypes,
 )
+from parallel.adamw import MOMENT_DTYPES, make_adamw
 from tests.unit._checkpoint_writer import build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,10 +74,12 @@ def train(model: DeepSeekV3, optimizer: torch.optim.Optimizer, steps: int, seed:
     return losses
 
 
-def trained_model(seed: int, args: ModelArgs | None = None) -> tuple[DeepSeekV3, torch.optim.AdamW]:
+def trained_model(seed: int, args: ModelArgs | None = None,
+                  moment_dtype: str = "fp32") -> tuple[DeepSeekV3, torch.optim.Optimizer]:
+    """A model and the trainer's AdamW for `moment_dtype` (parallel.adamw), after two steps."""
     torch.manual_seed(seed)
     model = DeepSeekV3(args or ModelArgs())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = make_adamw([{"params": list(model.parameters()), "weight_decay": 0.1}], moment_dtype, lr=1e-3)
     train(model, optimizer, 2, seed)
     return model, optimizer
 
@@ -117,11 +121,14 @@ def assert_same_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         assert state.keys() == optim_state.keys()
         for index, values in optim_state.items():
             for key, tensor in values.items():
-                assert torch.equal(state[index][key], tensor), (index, key)
+                assert torch.equal(state[index][key], tensor) and state[index][key].dtype == tensor.dtype, (index, key)
 
 
-def test_round_trip_restores_model_optimizer_router_biases_extra_and_rng(tmp_path, seed):
-    model, optimizer = trained_model(seed)
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_round_trip_restores_model_optimizer_router_biases_extra_and_rng(tmp_path, seed, moment_dtype):
+    """For both moment dtypes: training on from the loaded state gives the same losses and state bit for
+    bit, and the moments are stored in their own dtype."""
+    model, optimizer = trained_model(seed, moment_dtype=moment_dtype)
     with torch.no_grad():  # two sign updates may cancel out; make every bias non-trivial for sure
         for router in model.routers():
             router.e_score_correction_bias.add_(torch.rand(router.e_score_correction_bias.shape) - 0.5)
@@ -131,8 +138,9 @@ def test_round_trip_restores_model_optimizer_router_biases_extra_and_rng(tmp_pat
     path = save_checkpoint(tmp_path, 2, model, optimizer, extra, keep=2, text_files={"config.yaml": config_text})
     expected_draws = draws()
     expected_state = snapshot(model, optimizer)
+    assert saved_moment_dtypes(path) == {MOMENT_DTYPES[moment_dtype]}
 
-    restored, restored_optimizer = trained_model(seed + 2)
+    restored, restored_optimizer = trained_model(seed + 2, moment_dtype=moment_dtype)
     assert not torch.equal(restored.embed_tokens.weight, model.embed_tokens.weight)
     assert load_checkpoint(path, restored, restored_optimizer) == extra
     assert draws() == expected_draws

@@ -63,10 +63,18 @@ def test_wrong_types_name_the_key():
     (["model.recompute_modules=[layernorm,attention]"], "model.recompute_modules", "unknown module(s) 'attention'"),
     (["model.recompute_modules=[full,moe_act]"], "model.recompute_modules", "give it alone"),
     (["model.recompute_modules=[moe_act]", "train.compile=regions"], "train.compile", "saved-tensor hooks"),
+    (["optim.moment_dtype=fp16"], "optim.moment_dtype", "must be one of fp32, bf16"),
+    (["optim.moment_dtype=bf16", "optim.adam_beta2=0.999"], "optim.adam_beta2", "0.999 with optim.moment_dtype=bf16"),
+    (["optim.moment_dtype=bf16", "optim.adam_beta1=0.997"], "optim.adam_beta1", "beta at most 0.99609375"),
 ])
 def test_impossible_combinations(overrides, key, fragment):
     problems = problems_of(overrides, "moe_train/configs/tiny.yaml")
     assert any(k == key and fragment in m for k, m in problems), problems
+
+
+def test_bf16_moments_take_betas_up_to_the_limit_and_fp32_moments_any():
+    assert load_config(None, ["optim.moment_dtype=bf16", "optim.adam_beta2=0.99609375"]).optim.moment_dtype == "bf16"
+    assert load_config(None, ["optim.adam_beta2=0.999"]).optim.adam_beta2 == 0.999
 
 
 def test_invalid_yaml_names_file_and_line(tmp_path):

@@ -107,12 +107,14 @@ def test_moe_layer_syncs_only_for_the_split_sizes_of_each_all_to_all():
     assert results == [[]] * EP  # the kernels' own host wait for the receive counts is the one left
 
 
-def test_single_process_step_syncs_only_to_read_its_metrics(tmp_path):
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_single_process_step_syncs_only_to_read_its_metrics(tmp_path, moment_dtype):
     """With the EMA of the parameters on: its copy to the host (pinned and non_blocking on CUDA) and its
-    background update add none."""
+    background update add none; with either AdamW."""
     config = load_config(ROOT / "moe_train/configs/tiny.yaml", [
         f"data.cache_dir={tmp_path / 'cache'}", "data.demo_max_bytes=300000", f"logging.dir={tmp_path / 'run'}",
-        "logging.tensorboard=false", "checkpoint.resume=none", "optim.ema_decay=0.9"])
+        "logging.tensorboard=false", "checkpoint.resume=none", "optim.ema_decay=0.9",
+        f"optim.moment_dtype={moment_dtype}"])
     trainer = Trainer(config)
     with HostSyncCounter() as counter:
         steps = [trainer.train_step() for _ in range(3)]

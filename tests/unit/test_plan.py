@@ -1,5 +1,6 @@
 """`python -m moe_train.plan`: layout checks, per-rank parameters and memory, traffic formula."""
 import dataclasses
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +16,8 @@ from model.rope import RotaryEmbedding
 from model.transformer import DeepSeekV3, ModelPart
 from moe_train import plan
 from moe_train.config import load_config
+from moe_train.memory_limits import MemoryLimit
+from moe_train.optim import build_optimizer
 from moe_train.plan_stages import head_memory, layer_memory
 from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
@@ -66,6 +69,39 @@ def test_too_small_gpu_memory_fails(capsys):
     assert plan.main(args + ["--gpu-memory-gib", "8"]) == 0
     assert plan.main(args + ["--gpu-memory-gib", "0.01", "--reserve-gib", "0"]) == 2
     assert "--gpu-memory-gib: pp rank(s) 0 need" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("moment_dtype, per_element", [("fp32", 8), ("bf16", 4)])
+def test_planned_adam_bytes_equal_the_state_of_a_real_step(moment_dtype, per_element):
+    """One process: the run's AdamW holds 4 + 4 (fp32) or 2 + 2 (bf16) bytes of moments per element and a
+    4-byte step count per tensor after a step, and the planner counts exactly that."""
+    config = load_config(TINY, [f"optim.moment_dtype={moment_dtype}"])
+    model = DeepSeekV3(config.model)
+    optimizer = build_optimizer(model, config.optim)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
+    sizes = [p.numel() for p in model.parameters()]
+    assert held == per_element * sum(sizes) + 4 * len(sizes)
+    assert plan._adam_bytes(sizes, [], dp=1, ep=1, zero1=False, per_element=plan.moment_bytes(config)) == held
+
+
+def test_zero1_adam_bytes_are_those_of_the_rank_dealt_the_most():
+    # tensors of 10, 6 and 4 elements over dp 2: rank 0 owns the 10, rank 1 the 6 and the 4 (one more step count)
+    assert plan._adam_bytes([10, 6, 4], [], dp=2, ep=1, zero1=True, per_element=8) == 8 * 10 + 2 * 4
+    assert plan._adam_bytes([10, 6, 4], [], dp=2, ep=1, zero1=True, per_element=4) == 4 * 10 + 2 * 4
+
+
+def test_start_up_memory_check_counts_12_bytes_per_parameter_with_bf16_moments():
+    """fp32 weights and gradients plus the moments: 16 bytes per parameter, 12 with bf16 moments."""
+    states = {}
+    for moment_dtype in ("fp32", "bf16"):
+        config = load_config(DSV3, [f"optim.moment_dtype={moment_dtype}"])
+        [(key, message)] = plan.start_up_memory_problems(config, 256, MemoryLimit(0.0, "a test"), "test memory")
+        assert key == "memory"
+        states[moment_dtype] = float(re.search(r"and Adam state ([0-9.]+) GiB", message).group(1))
+    assert states["bf16"] / states["fp32"] == pytest.approx(12 / 16, abs=1e-3)
 
 
 def test_rank_parameters_sum_to_the_model_total():

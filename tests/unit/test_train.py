@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
+from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import load_config
 from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
@@ -82,6 +83,36 @@ def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, cache_dir):
     assert all(after[s] == expected[s] for s in after), (after, expected)
 
 
+def test_bf16_moments_resume_bit_exact_and_a_changed_moment_dtype_is_converted(tmp_path, cache_dir, capsys):
+    """Resumed at step 2 of a 4-step run with bf16 moments, steps 3 and 4 give the same losses bit for
+    bit. Resumed with optim.moment_dtype=fp32 instead, the moments are the checkpoint's bf16 values
+    exactly, in fp32, and one line says so."""
+    common = ("train.steps=4", "train.log_interval=1", "checkpoint.interval=2", "optim.moment_dtype=bf16")
+    straight = tmp_path / "straight"
+    assert main(["--config", TINY, *overrides(straight, cache_dir, *common)]) == 0
+    expected = {r["step"]: r["loss"] for r in records(straight)}
+    at_2 = f"checkpoint.resume={iteration_dir(straight / 'checkpoints', 2)}"
+    resumed = tmp_path / "resumed"
+    capsys.readouterr()
+    assert main(["--config", TINY, *overrides(resumed, cache_dir, *common, at_2)]) == 0
+    assert {r["step"]: r["loss"] for r in records(resumed)} == {3: expected[3], 4: expected[4]}
+    assert "converted" not in capsys.readouterr().out
+
+    def loaded(moment_dtype):
+        trainer = Trainer(load_config(TINY, overrides(tmp_path / moment_dtype, cache_dir, *common, at_2,
+                                                      f"optim.moment_dtype={moment_dtype}")[1::2]))
+        return [v for s in trainer.optimizer.state.values() for k, v in sorted(s.items()) if k != "step"]
+
+    bf16 = loaded("bf16")
+    capsys.readouterr()
+    fp32 = loaded("fp32")
+    assert "resume: Adam moments converted from bf16 (the checkpoint's) to fp32 (optim.moment_dtype)" in \
+        capsys.readouterr().out
+    assert {t.dtype for t in bf16} == {torch.bfloat16} and {t.dtype for t in fp32} == {torch.float32}
+    assert all(torch.equal(a.float(), b) for a, b in zip(bf16, fp32, strict=True))
+    assert any(t.abs().max() > 0 for t in fp32)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_saves_and_exits_cleanly(tmp_path, cache_dir, signum):
     """SIGTERM, and Ctrl-C (was: a KeyboardInterrupt traceback, no save), on a single-process run."""
@@ -107,10 +138,12 @@ def _snapshot(trainer):
     return state
 
 
-def test_non_finite_gradient_skips_the_step_on_the_device(tmp_path, cache_dir):
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16"])
+def test_non_finite_gradient_skips_the_step_on_the_device(tmp_path, cache_dir, moment_dtype):
     """The NaN step changes no weight, router bias, Adam moment or step count; the next step trains on."""
     run = tmp_path / "run"
-    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5")[1::2]))
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5",
+                                                  f"optim.moment_dtype={moment_dtype}")[1::2]))
     trainer.train_step()
     before = _snapshot(trainer)
     hook = trainer.model.lm_head.weight.register_hook(lambda grad: grad * float("nan"))
@@ -248,6 +281,18 @@ def test_bf16_loss_curve_follows_fp32(cache_dir):
     assert curves["bf16"][0] == pytest.approx(curves["fp32"][0], abs=1e-3)  # same model and batch
     assert worst < 0.1 and mean < 0.04
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
+
+
+def test_bf16_moments_loss_curve_follows_fp32_moments(cache_dir):
+    """benchmarks/bf16_moments_curves on 4 tiny steps: the first losses are equal (no update yet), the
+    later ones differ (the moments' rounding reaches the weights) by bf16 noise only."""
+    settings = [f"data.cache_dir={cache_dir}", "data.demo_max_bytes=400000", "train.threads=1"]
+    curves = moment_curves(TINY, 4, settings)
+    print(f"seed {load_config(TINY).train.seed}")
+    worst, mean = curve_difference(curves["bf16"], curves["fp32"])
+    print(f"|bf16 - fp32 moments|: max {worst:.2e}, mean {mean:.2e}")
+    assert curves["bf16"][0] == curves["fp32"][0]
+    assert 0 < worst < 1e-3
 
 
 LAUNCHER_REFUSALS = {

@@ -1,0 +1,39 @@
+"""bf16 against fp32 AdamW moments: the loss curves of one run (same seed, data and initialisation)
+trained with `optim.moment_dtype=bf16` and with `fp32`, and how far apart they are.
+
+    python -m benchmarks.bf16_moments_curves [--config moe_train/configs/demo.yaml] [--steps 100]
+"""
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.bf16_loss_curves import curve_difference, loss_curve
+from moe_train.config import load_config
+
+MOMENT_DTYPES = ("fp32", "bf16")
+
+
+def moment_curves(config_path: str, steps: int, overrides: list[str]) -> dict[str, list[float]]:
+    """The loss curve of each moment dtype, in the config's `train.precision`."""
+    precision = load_config(config_path, overrides).train.precision
+    return {dtype: loss_curve(config_path, precision, steps, [*overrides, f"optim.moment_dtype={dtype}"])
+            for dtype in MOMENT_DTYPES}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    opts = parser.parse_args()
+    curves = moment_curves(opts.config, opts.steps, opts.overrides)
+    config = load_config(opts.config, opts.overrides)
+    print(f"config {opts.config}, {opts.steps} steps, seed {config.train.seed}, precision {config.train.precision}")
+    for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
+        print(f"step {step + 1:4d}  fp32 moments {curves['fp32'][step]:.4f}  bf16 moments {curves['bf16'][step]:.4f}")
+    worst, mean = curve_difference(curves["bf16"], curves["fp32"])
+    print(f"|bf16 - fp32 moments| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
+
+
+if __name__ == "__main__":
+    main()
