@@ -41,8 +41,8 @@ from parallel.dispatch.low_latency_experts import LowLatencyExperts
 from parallel.dispatch.simulated import SimulatedEPGroup
 from parallel.topology import Topology, TopologyError, init_distributed
 
-TRAINING_ONLY_KEYS = ("recompute_modules", "recompute_granularity", "moe_aux_loss_coeff", "moe_router_bias_update_rate",
-                      "mtp_loss_scaling_factor", "mtp_num_layers", "init_method_std")
+TRAINING_ONLY_KEYS = ("recompute_modules", "recompute_granularity", "moe_aux_loss_coeff",
+                      "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "mtp_num_layers", "init_method_std")
 
 
 class BadInput(ValueError):
