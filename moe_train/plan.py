@@ -32,7 +32,7 @@ from moe_train.launch_info import layout_errors
 from moe_train.memory_limits import MemoryLimit
 from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
     rank_parameters
-from moe_train.plan_traffic import expected_routing, token_traffic
+from moe_train.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
@@ -50,9 +50,12 @@ class RankPlan:
     stages: tuple[int, ...]
     dense_params: int  # replicated over dp, includes an embedding copy when MTP needs one here
     expert_params: int  # this rank's share of the routed experts
-    weights: float  # bytes, fp32 parameters and gradients
+    weights: float  # bytes of the model's parameters (fp32: they are the master weights)
+    main_params: float  # bytes of fp32 main parameters kept beside lower-precision weights (none today)
+    grads: float  # bytes of the gradients the optimizer reads (fp32)
     optimizer: float  # bytes, Adam state of the data-parallel rank that ZeRO-1 gives the most
     activations: float  # bytes at the simulated peak
+    buffers: float  # bytes of the dispatcher's communication buffers (plan_traffic.communication_buffer_bytes)
     peak_units: float  # simulator's peak, in one stage's activations of one micro-batch
     inter_node: tuple[float, float]  # dispatch bytes per step, (BF16 dispatch, FP8 dispatch)
     intra_node: tuple[float, float]
@@ -63,7 +66,7 @@ class RankPlan:
 
     @property
     def total(self) -> float:
-        return self.weights + self.optimizer + self.activations
+        return self.weights + self.main_params + self.grads + self.optimizer + self.activations + self.buffers
 
 
 @dataclass(frozen=True)
@@ -185,6 +188,7 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     per_stage = {s.index: _stage_activation_bytes(config, s) for s in stages}
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
+    buffers = communication_buffer_bytes(config, gpus_per_node)
     ranks = []
     for rank, program in enumerate(schedule.programs):
         on_rank = schedule.placement.stages_on(rank)
@@ -194,9 +198,9 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
                          for action in program for half in action.halves() if half.kind is ActionKind.F)
         ranks.append(RankPlan(
             pp_rank=rank, stages=on_rank, dense_params=dense, expert_params=expert,
-            weights=8 * (dense + expert),
+            weights=4 * (dense + expert), main_params=0.0, grads=4 * (dense + expert),
             optimizer=_adam_bytes(dense_sizes, expert_sizes, dp, p.ep, p.zero1, moment_bytes(config)),
-            activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b),
+            activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b), buffers=buffers,
             peak_units=timeline.peak_activations[rank],
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
             intra_node=tuple(moe_tokens * x.intra_node for x in traffic)))
@@ -210,8 +214,9 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
     for rank in plan.ranks:
         need = rank.total / GIB + reserve_gib
         if need > gpu_memory_gib:
-            part, size = max(("parameters + gradients", rank.weights), ("optimizer state", rank.optimizer),
-                             ("activations", rank.activations), key=lambda item: item[1])
+            part, size = max(("parameters + gradients", rank.weights + rank.main_params + rank.grads),
+                             ("optimizer state", rank.optimizer), ("activations", rank.activations),
+                             key=lambda item: item[1])
             overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
     problems = []
     for (need, part, size), ranks in overflows.items():
@@ -272,13 +277,16 @@ def format_plan(plan: ClusterPlan) -> str:
         f"(F = B = W per stage)",
         f"activations: {_recompute_label(plan.recompute)}",
         "",
-        f"{'pp':>3} {'stages':>7} {'params':>9} {'experts':>9} {'weights+grads':>14} {'adam':>8} "
-        f"{'activations':>12} {'peak mb':>8} {'total':>9}",
+        "GiB per GPU: weights (the model's parameters), main (fp32 main parameters beside them), grads, "
+        "moments (Adam state), activations (at the simulated peak), buffers (the dispatcher's)",
+        f"{'pp':>3} {'stages':>7} {'params':>9} {'experts':>9} {'weights':>8} {'main':>6} {'grads':>6} "
+        f"{'moments':>8} {'activations':>12} {'peak mb':>8} {'buffers':>8} {'total':>7}",
     ]
     for r in plan.ranks:
         lines.append(f"{r.pp_rank:>3} {','.join(map(str, r.stages)):>7} {r.params / 1e9:>8.2f}B "
-                     f"{r.expert_params / 1e9:>8.2f}B {r.weights / GIB:>10.1f} GiB {r.optimizer / GIB:>4.1f} GiB "
-                     f"{r.activations / GIB:>8.1f} GiB {r.peak_units:>8g} {r.total / GIB:>5.1f} GiB")
+                     f"{r.expert_params / 1e9:>8.2f}B {r.weights / GIB:>8.1f} {r.main_params / GIB:>6.1f} "
+                     f"{r.grads / GIB:>6.1f} {r.optimizer / GIB:>8.1f} {r.activations / GIB:>12.1f} "
+                     f"{r.peak_units:>8g} {r.buffers / GIB:>8.1f} {r.total / GIB:>7.1f}")
     busiest = max(plan.ranks, key=lambda r: r.inter_node[0])
     lines += [
         "",

@@ -21,7 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kernels_cuda.config import Config as KernelConfig, InternodeConfig
 from model.args import ModelArgs
+from moe_train.config import Config
+from parallel.dispatch.native import buffer_sizes
 
 FP8_BLOCK = 128
 
@@ -78,3 +81,17 @@ def token_traffic(args: ModelArgs, ep: int, gpus_per_node: int, fp8: bool) -> To
     bf16 = payload_bytes(args.hidden_size, fp8=False)
     per_record = dispatch_record_bytes(args, fp8) + 3 * bf16
     return TokenTraffic(routing.remote_nodes * per_record, routing.intra_rows * per_record)
+
+
+def communication_buffer_bytes(config: Config, gpus_per_node: int) -> float:
+    """Bytes of the `native` dispatcher's kernel buffer on each rank: its NVLink (and across nodes RDMA)
+    regions, sized as parallel.dispatch sizes them for the MoE layers' rows (the fp32 residual stream
+    of hidden_size channels, top-k ids). The other dispatchers keep no buffer of their own between
+    calls (NCCL's are part of --reserve-gib)."""
+    p, a = config.parallel, config.model
+    if p.dispatcher != "native" or p.ep == 1 or a.num_moe_experts == 0:
+        return 0.0
+    per_node, sms = min(p.ep, gpus_per_node), {"num_sms": p.comm_sms}
+    kind = InternodeConfig.for_nodes(p.ep // per_node, **sms) if p.ep > per_node else KernelConfig(**sms)
+    sizes = buffer_sizes(kind, p.ep, per_node, 4 * a.hidden_size, a.moe_router_topk)
+    return float(sizes.nvl_bytes + sizes.rdma_bytes)

@@ -12,6 +12,7 @@ import pytest
 from moe_train.config import load_config
 from moe_train.data import build_demo_corpus, load_tokenizer
 from moe_train.optim import set_learning_rate
+from moe_train.plan_traffic import communication_buffer_bytes
 from moe_train.schedules import learning_rate
 from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
@@ -71,6 +72,8 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
         dispatcher = trainer.model.moe_blocks()[0].dispatcher
         worst["dispatcher"] = type(dispatcher).__name__
         worst["traffic"] = dict(dispatcher.traffic.bytes)
+        sizes = getattr(dispatcher, "_buffer_sizes", None)  # what the native dispatcher's buffer allocated
+        worst["buffer_bytes"] = None if sizes is None else sizes.nvl_bytes + sizes.rdma_bytes
         worst["moment_dtypes"] = {str(v.dtype) for optimizer in (trainer.optimizer, reference.optimizer)
                                   for state in optimizer.state.values() for k, v in state.items() if k != "step"}
         return worst
@@ -132,9 +135,12 @@ def test_native_counts_the_bytes_hierarchical_counts(pools, kernels_cpu, corpus_
     runs = {name: pools.get(4).run(compare_with_single_process, ep, gpus_per_node, True, corpus_cache,
                                    str(tmp_path / name), *extra, deadline_s=300)
             for name, extra in [("native", NATIVE), ("hierarchical", ("parallel.dispatcher=hierarchical",))]}
+    planned = communication_buffer_bytes(tiny_config(corpus_cache, str(tmp_path / "plan"), f"parallel.ep={ep}",
+                                                     *NATIVE), gpus_per_node)
     for rank, (native, hierarchical) in enumerate(zip(runs["native"], runs["hierarchical"])):
         assert native["traffic"] == hierarchical["traffic"] and sum(native["traffic"].values()) > 0, rank
         assert native["loss"] < 1e-5 and hierarchical["loss"] < 1e-5, rank
+        assert native["buffer_bytes"] == planned > 0, rank  # the planner's buffers column
 
 
 def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str,
