@@ -4,10 +4,14 @@ Router correction biases are buffers, so they never reach the optimizer.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
 from moe_train.config import OptimConfig
+from parallel.mixed_precision import MainParamOptimizer, main_param
 from parallel.topology import Topology
 from parallel.zero import ZeroOneAdamW
 
@@ -21,17 +25,23 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None):
-    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas).
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None,
+                    main_params: bool = False):
+    """AdamW; with a topology, ZeRO-1 (state sharded over the data-parallel replicas). `main_params`
+    (bf16 training): AdamW steps fp32 main copies of the parameters it owns (parallel.mixed_precision);
+    build it while the parameters are still fp32.
 
     The fused implementation keeps its step counts on the parameters' device, so a step reads no
     value back to the host (the others call `.item()` on each parameter's step count).
     """
     groups = parameter_groups(model, optim.weight_decay)
-    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, fused=True)
+    make: Callable[[list[dict]], torch.optim.Optimizer] = partial(
+        torch.optim.AdamW, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps, fused=True)
+    if main_params:
+        make = partial(MainParamOptimizer, make_optimizer=make)
     if zero1_topology is not None:
-        return ZeroOneAdamW(model, groups, zero1_topology, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return ZeroOneAdamW(model, groups, zero1_topology, make)
+    return make(groups)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -41,7 +51,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def master_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The fp32 master value of each parameter this rank's optimizer steps (with ZeRO-1: its shard), by
-    parameter name. Today the parameters are the master weights; an optimizer that keeps fp32 main
-    parameters beside lower-precision model weights returns those here instead."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    parameter name: the fp32 main parameters of a bf16 model, else the parameters themselves."""
+    names = {id(main_param(p)): n for n, p in model.named_parameters()}
     return {names[id(p)]: p.detach() for group in optimizer.param_groups for p in group["params"]}

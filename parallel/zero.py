@@ -10,6 +10,8 @@ reduction order of the gradients.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,10 +36,13 @@ class ZeroOneAdamW:
     """AdamW with optimizer state sharded over dp (dense) and expert-dp (experts).
 
     `param_groups` are AdamW parameter groups of `model` (e.g. with and without weight decay);
-    each rank's local AdamW holds the same groups restricted to the parameters it owns.
+    `make_local` builds this rank's local optimizer from the same groups restricted to the parameters
+    it owns (an AdamW, or one stepping their fp32 main parameters: `parallel.mixed_precision`). The
+    broadcast moves the parameters in their own dtype (bf16 parameters: half the bytes of fp32).
     """
 
-    def __init__(self, model: nn.Module, param_groups: list[dict], topology: Topology, **adam_kwargs) -> None:
+    def __init__(self, model: nn.Module, param_groups: list[dict], topology: Topology,
+                 make_local: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
         self.model, self.topology = model, topology
         expert_ids = {id(p) for n, p in model.named_parameters() if is_expert_parameter(n)}
         group_of = {id(p): index for index, group in enumerate(param_groups) for p in group["params"]}
@@ -55,7 +60,7 @@ class ZeroOneAdamW:
             for param, owner in zip(params, owners):
                 if owner == my_index:
                     local_groups[group_of[id(param)]]["params"].append(param)
-        self.local = torch.optim.AdamW(local_groups, **adam_kwargs)
+        self.local = make_local(local_groups)
 
     @property
     def param_groups(self) -> list[dict]:
