@@ -127,3 +127,35 @@ def test_the_optimizer_steps_fp32_main_params_and_rounds_them_into_the_bf16_para
     for name, param in model.named_parameters():
         assert param.main_param.dtype == torch.float32 and torch.equal(param.main_param, reference[name].detach()), name
         assert torch.equal(param.detach(), reference[name].detach().bfloat16()), name
+
+
+def test_a_hugging_face_start_fills_the_main_params_and_export_writes_them(tmp_path):
+    """bf16 training from an HF folder: the fp32 main parameters are the folder's values exactly, the bf16
+    parameters their rounding; a checkpoint exported to HF holds the fp32 main parameters."""
+    from safetensors.torch import load_file
+
+    from model.hf import save_hf_checkpoint
+    from moe_train.hf_export import export
+    from moe_train.optim import master_weights
+    from moe_train.train import Trainer
+
+    source = tiny_model(bf16=False)
+    with torch.no_grad():
+        for param in source.parameters():
+            param.normal_(0, 0.02, generator=torch.Generator().manual_seed(SEED))
+    save_hf_checkpoint(source, tmp_path / "hf")
+    trainer = Trainer(load_config("moe_train/configs/tiny.yaml", [
+        f"logging.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "data.demo_max_bytes=200000",
+        "logging.tensorboard=false", "train.precision=bf16", f"checkpoint.resume={tmp_path / 'hf'}",
+        "checkpoint.weights_only=true"]))
+    expected = dict(source.named_parameters())
+    mains = master_weights(trainer.model, trainer.optimizer)
+    assert mains.keys() == expected.keys()
+    assert all(torch.equal(main, expected[name].detach()) for name, main in mains.items())
+    assert all(torch.equal(p.detach(), expected[n].detach().bfloat16()) for n, p in trainer.model.named_parameters())
+    trainer.train_step()
+    export(trainer.save(), tmp_path / "out")
+    exported = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    head = master_weights(trainer.model, trainer.optimizer)["lm_head.weight"]
+    assert head.dtype == torch.float32 and torch.equal(exported["lm_head.weight"], head)
+    trainer.logger.close()
