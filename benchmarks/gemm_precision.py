@@ -3,9 +3,9 @@
 `GemmCensus`, a TorchDispatchMode, records every GEMM and attention kernel that reaches ATen
 (mm, addmm, bmm, baddbmm, `_grouped_mm`, the SDPA kernels; `matmul` and `linear` arrive as
 these): its operand dtypes, its FLOPs and the innermost module running it, in forward and
-backward. The script prints the bf16 share of one forward+backward of a config's model under
-`torch.autocast(bf16)` (what `train.precision=bf16` does), through plain autograd and through
-the pipeline's split backward (B, then W), and lists every GEMM that is not bf16.
+backward. The script prints the bf16 share of one forward+backward of a config's model with bf16
+parameters (what `train.precision=bf16` trains: `parallel.mixed_precision`), through plain autograd
+and through the pipeline's split backward (B, then W), and lists every GEMM that is not bf16.
 
     python -m benchmarks.gemm_precision [--config moe_train/configs/demo.yaml] [--batch 8] [--seq 256]
 """
@@ -23,9 +23,9 @@ from torch.utils.module_tracker import ModuleTracker
 
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from moe_train.runtime import autocast
+from parallel.mixed_precision import use_bf16_parameters, zero_grad_buffers
 from parallel.pipeline.ir import ActionKind
-from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore, zero_grad_buffers
+from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
 aten = torch.ops.aten
 
@@ -135,21 +135,18 @@ class GemmCensus(TorchDispatchMode):
         return dict(found)
 
 
-def census_step(model: DeepSeekV3, input_ids: torch.Tensor, labels: torch.Tensor,
-                precision: str = "bf16") -> GemmCensus:
-    """One forward+backward as `train.precision=precision` runs it, recorded: plain autograd, or,
+def census_step(model: DeepSeekV3, input_ids: torch.Tensor, labels: torch.Tensor) -> GemmCensus:
+    """One forward+backward of `model` in its parameters' precision, recorded: plain autograd, or,
     where the model's GEMMs are split (`SplitGemmOps`), a B scope, then its W. Gradients are left in
-    the parameters' `.grad`."""
-    model.zero_grad(set_to_none=True)
+    the gradient buffers (`.grad`, or the main grads of bf16 parameters), zeroed first."""
+    zero_grad_buffers(model.parameters())
 
     def loss() -> torch.Tensor:
-        with autocast(input_ids.device, precision):
-            return model(input_ids, labels, aux_grad_scale=1.0).loss
+        return model(input_ids, labels, aux_grad_scale=1.0).loss
 
     with ModuleTracker() as tracker, GemmCensus(tracker) as census:
         if isinstance(model.gemms, SplitGemmOps):
             store = model.gemms.store
-            zero_grad_buffers(model.parameters())
             out = loss()
             with store.scope(0, 0, ActionKind.B):
                 out.backward()
@@ -172,8 +169,10 @@ def main() -> None:
     model = DeepSeekV3(args).train()
     split_model = DeepSeekV3(args, gemms=SplitGemmOps(WeightGradStore())).train()
     split_model.load_state_dict(model.state_dict())
+    for bf16_model in (model, split_model):
+        use_bf16_parameters(bf16_model)
     ids = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1))
-    print(f"config {opts.config}, batch {opts.batch} x seq {opts.seq}, forward+backward under autocast(bf16)")
+    print(f"config {opts.config}, batch {opts.batch} x seq {opts.seq}, forward+backward with bf16 parameters")
     for split, stepped in ((False, model), (True, split_model)):
         census = census_step(stepped, ids[:, :-1], ids[:, 1:])
         print(f"{'split backward (B, W)' if split else 'autograd':22s} bf16 share of GEMM FLOPs: "

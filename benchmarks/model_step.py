@@ -4,8 +4,8 @@ in bf16 and under torch.compile.
 Both models run the same small DeepSeek-V3 config (the demo shape by default) with the same
 weights, threads and batch, in fp32, in the same process; the ratio is what to read. MTP is off in
 ours (HF's CausalLM has none), and the balance loss is off (HF computes none). Our model also runs
-under bf16 autocast (`train.precision=bf16`), with `train.compile=regions` (fp32) and with
-`train.compile=model` (bf16); each ratio compares steps timed in alternation in this run (compiling
+with bf16 parameters (`train.precision=bf16`, parallel.mixed_precision), with `train.compile=regions`
+(fp32) and with `train.compile=model` (bf16); each ratio compares steps timed in alternation in this run (compiling
 happens in the warm-up, minutes on a CPU).
 
     python benchmarks/model_step.py [--config moe_train/configs/demo.yaml] [--batch 8] [--seq 256]
@@ -25,7 +25,8 @@ import torch
 from model.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from moe_train.runtime import autocast, compile_model
+from moe_train.runtime import compile_model
+from parallel.mixed_precision import release_grads, use_bf16_parameters
 
 
 def time_alternating(steps: dict, warmup: int, repeats: int) -> dict[str, float]:
@@ -65,28 +66,33 @@ def main() -> None:
     ids = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1))
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    def step_of(model: torch.nn.Module, precision: str) -> Callable[[], None]:
+    def step_of(model: torch.nn.Module) -> Callable[[], None]:
         def step() -> None:
-            model.zero_grad(set_to_none=True)
-            with autocast(inputs.device, precision):
-                loss = model(inputs, labels, aux_grad_scale=1.0).loss
-            loss.backward()
+            release_grads(model.parameters())
+            model(inputs, labels, aux_grad_scale=1.0).loss.backward()
         return step
 
     def step_hf() -> None:
         hf.zero_grad(set_to_none=True)
         hf(input_ids=inputs, labels=ids[:, :-1].clone()).loss.backward()
 
+    def copy_of_ours(precision: str) -> torch.nn.Module:
+        model = copy.deepcopy(ours)
+        if precision == "bf16":
+            use_bf16_parameters(model)
+        return model
+
+    bf16 = copy_of_ours("bf16")
     compiled = {}
     for mode, precision in (("regions", "fp32"), ("model", "bf16")):
-        compiled[mode] = copy.deepcopy(ours)
+        compiled[mode] = copy_of_ours(precision)
         print(f"train.compile={mode} ({precision}): {compile_model(compiled[mode], mode, precision)}")
     rows = {  # name: (step, label)
         "hf": (step_hf, "transformers DeepseekV3ForCausalLM, fp32"),
-        "ours": (step_of(ours, "fp32"), "ours (model.DeepSeekV3), fp32"),
-        "bf16": (step_of(ours, "bf16"), "ours, bf16 autocast"),
-        "regions": (step_of(compiled["regions"], "fp32"), "ours, fp32, train.compile=regions"),
-        "model": (step_of(compiled["model"], "bf16"), "ours, bf16, train.compile=model"),
+        "ours": (step_of(ours), "ours (model.DeepSeekV3), fp32"),
+        "bf16": (step_of(bf16), "ours, bf16 parameters"),
+        "regions": (step_of(compiled["regions"]), "ours, fp32, train.compile=regions"),
+        "model": (step_of(compiled["model"]), "ours, bf16, train.compile=model"),
     }
     tokens = opts.batch * opts.seq
     medians = time_alternating({name: step for name, (step, _) in rows.items()}, opts.warmup, opts.repeats)

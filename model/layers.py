@@ -97,8 +97,8 @@ class GemmOps:
         return F.linear(x, weight)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Under autocast both operands go to bf16; the casts' backward returns the weight
-        gradient in the fp32 of the master weight, to accumulate into its fp32 `.grad`."""
+        """Both operands in `gemm_dtype`: a bf16 weight's (bf16 training) or autocast's, whose cast
+        returns the weight gradient in the fp32 of an fp32 weight."""
         dtype = gemm_dtype(x, weight)
         return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
 

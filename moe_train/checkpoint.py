@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from moe_train.data.atomic import fsync_dir
 from moe_train.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
+from parallel.mixed_precision import checkpoint_values, set_parameters
 from parallel.sharded_state import ADAM_STATE, model_state, optimizer_state
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -227,11 +228,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     overwritten, so a mismatching or damaged checkpoint leaves the model as it was.
     """
     path = Path(path)
-    state = _full_state_dict(model, None if weights_only else optimizer, None if weights_only else ema)
+    values = checkpoint_values(model, loading=True)
+    state = _full_state_dict(model, None if weights_only else optimizer, None if weights_only else ema, values)
     read_back = on_all_ranks(lambda: _check_and_read(path, state, weights_only, restore_rng, partial),
                               process_group, f"loading {path}")
     on_all_ranks(lambda: quiet_dcp(dcp.load, state, storage_reader=NamingReader(path),
                                      process_group=process_group), process_group, f"loading {path}")
+    set_parameters(model, values)
     if weights_only:
         return {}
     extra, rng = read_back
@@ -403,9 +406,11 @@ def quiet_dcp(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _full_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     ema: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Layout-independent views of the live tensors (see parallel.sharded_state); DCP loads in place."""
-    state: dict[str, Any] = {"model": model_state(model)}
+                     ema: dict[str, torch.Tensor] | None = None,
+                     values: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Layout-independent views of the live tensors (see parallel.sharded_state); DCP loads in place.
+    `values`: the model's, as `model_state` takes them (default: what this rank saves)."""
+    state: dict[str, Any] = {"model": model_state(model, values)}
     if optimizer is not None:
         state["optim"] = optimizer_state(model, optimizer)
     if ema is not None:

@@ -104,7 +104,7 @@ class TrainConfig:
         log_interval: steps between console lines and metrics.jsonl records
         eval_interval: steps between validations (0: no validation)
         eval_iters: validation micro-batches per validation
-        precision: fp32, or bf16 autocast with fp32 master weights
+        precision: fp32, or bf16 (bf16 parameters; fp32 main parameters and gradients in the optimizer)
         compile: torch.compile: none, regions (attention, dense MLP, norms) or model (see
             runtime.compile_model)
         device: auto, cpu or cuda

@@ -29,6 +29,7 @@ from model.hf_layout import HFCheckpointError, args_from_hf_config, hf_config_fr
 from model.transformer import DeepSeekV3
 from model.weights import publish_dir, shard_tensors, staging_dir
 from moe_train.checkpoint import HF_CONFIG_FILE, CheckpointError, on_all_ranks, quiet_dcp
+from parallel.mixed_precision import checkpoint_values, set_parameters
 from parallel.sharded_state import model_state
 
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight_scale_inv` holds the block scales of FP8 `<name>.weight`
@@ -97,11 +98,13 @@ def load_hf_weights(path: Path, model: nn.Module, process_group: dist.ProcessGro
     """Fill `model` (a DeepSeekV3, whole or built for pipeline stages, possibly expert-sharded) from an HF folder in
     place; each rank reads only its tensors. Missing, mis-shaped and unknown tensors are all listed
     (CheckpointError) before any tensor is overwritten."""
-    wanted = hf_items(model_state(model), model.args, mtp_copies=False)
+    values = checkpoint_values(model, loading=True)  # a bf16 model's parameters are filled in fp32
+    wanted = hf_items(model_state(model, values), model.args, mtp_copies=False)
     what = f"loading {path}"
     reader = on_all_ranks(lambda: _checked_reader(path, wanted, model.args), process_group, what)
     on_all_ranks(lambda: quiet_dcp(dcp.load, wanted, storage_reader=reader, process_group=process_group),
                  process_group, what)
+    set_parameters(model, values)
 
 
 def _read_metadata(path: Path) -> Metadata:

@@ -4,11 +4,15 @@ Router correction biases are buffers, so they never reach the optimizer.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
 from moe_train.config import OptimConfig
 from parallel.adamw import make_adamw
+from parallel.mixed_precision import MainParamOptimizer, main_param
 from parallel.topology import Topology
 from parallel.zero import ZeroOneAdamW
 
@@ -22,19 +26,25 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None):
+def build_optimizer(model: nn.Module, optim: OptimConfig, zero1_topology: Topology | None = None,
+                    main_params: bool = False):
     """AdamW with `optim.moment_dtype` moments (parallel.adamw.make_adamw); with a topology, ZeRO-1
     (state sharded over the data-parallel replicas, each rank's share stepped by the same AdamW).
+    `main_params` (bf16 training): the AdamW steps fp32 main copies of the parameters it owns
+    (parallel.mixed_precision); build it while the parameters are still fp32.
 
     Both AdamWs keep their step counts on the parameters' device, so a step reads no value back to
     the host (torch's unfused ones call `.item()` on each parameter's step count).
     """
     groups = parameter_groups(model, optim.weight_decay)
-    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
-                  moment_dtype=optim.moment_dtype)
+    make: Callable[[list[dict]], torch.optim.Optimizer] = partial(
+        make_adamw, moment_dtype=optim.moment_dtype, lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2),
+        eps=optim.adam_eps)
+    if main_params:
+        make = partial(MainParamOptimizer, make_optimizer=make)
     if zero1_topology is not None:
-        return ZeroOneAdamW(model, groups, zero1_topology, **kwargs)
-    return make_adamw(groups, **kwargs)
+        return ZeroOneAdamW(model, groups, zero1_topology, make)
+    return make(groups)
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -44,7 +54,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def master_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The fp32 master value of each parameter this rank's optimizer steps (with ZeRO-1: its shard), by
-    parameter name. Today the parameters are the master weights; an optimizer that keeps fp32 main
-    parameters beside lower-precision model weights returns those here instead."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    parameter name: the fp32 main parameters of a bf16 model, else the parameters themselves."""
+    names = {id(main_param(p)): n for n, p in model.named_parameters()}
     return {names[id(p)]: p.detach() for group in optimizer.param_groups for p in group["params"]}

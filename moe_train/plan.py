@@ -9,15 +9,17 @@ split in moe_train/plan_stages.py; routed experts divided over ep), weights, gra
 state, peak activations (the simulated schedule's F/backward order times the per-stage activation
 estimate), the simulated bubble, and the expert-dispatch traffic per step (moe_train/plan_traffic.py).
 
-Memory per rank, as the trainer keeps it: fp32 parameters (they are the master weights) and fp32
-gradients; Adam's two moments (fp32, or bf16 with optim.moment_dtype) and step count of the
-data-parallel rank that ZeRO-1 (whole tensors: dense ones over dp, expert ones over expert-dp)
-gives the most; activations as moe_train/plan_stages.py models them (with bf16, the weight copies
-autocast keeps per micro-batch included); and --reserve-gib for the CUDA context, communication
-buffers and allocator fragmentation. model.recompute_modules lowers what each decoder layer keeps
-(moe_train/plan_stages.py): with [full] a stage stores the layer inputs plus one layer's activations
-at a time. Exit 2 with every problem named by its config key when the layout cannot work, or when
---gpu-memory-gib is given and a rank does not fit.
+Memory per rank, as the fp32 trainer keeps it: fp32 parameters (they are the master weights) and
+fp32 gradients; Adam's two moments (fp32, or bf16 with optim.moment_dtype) and step count of the
+data-parallel rank that ZeRO-1 (whole tensors: dense ones over dp, expert ones over expert-dp) gives
+the most; activations as moe_train/plan_stages.py models them; the native dispatcher's buffers. With
+train.precision=bf16 the plan still models the former bf16 autocast (fp32 weights and gradients, and
+the weight copies autocast kept per micro-batch), not the bf16 parameters, fp32 main grads and owned
+fp32 main parameters the trainer now keeps (parallel.mixed_precision); and --reserve-gib for the CUDA
+context, NCCL's buffers and allocator fragmentation. model.recompute_modules lowers what each decoder
+layer keeps (moe_train/plan_stages.py): with [full] a stage stores the layer inputs plus one layer's
+activations at a time. Exit 2 with every problem named by its config key when the layout cannot work,
+or when --gpu-memory-gib is given and a rank does not fit.
 """
 from __future__ import annotations
 

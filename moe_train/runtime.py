@@ -1,8 +1,6 @@
-"""Process-level set-up for a run: device choice, CPU threads, seeding, mixed-precision context,
-torch.compile."""
+"""Process-level set-up for a run: device choice, CPU threads, seeding, torch.compile."""
 from __future__ import annotations
 
-import contextlib
 import random
 
 import numpy as np
@@ -33,13 +31,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast (fp32 master weights and optimizer state); fp32 runs with no context."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def configure_threads(train: TrainConfig) -> None:

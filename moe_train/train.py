@@ -38,8 +38,7 @@ from moe_train.memory_limits import available_memory
 from moe_train.plan import start_up_memory_problems
 from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.zb_measure import WARMUP_SCHEDULE, ZbCostMeter, measures_zb_costs
-from moe_train.runtime import (autocast, compile_model, configure_threads, device_type,
-                               seed_everything, select_device)
+from moe_train.runtime import compile_model, configure_threads, device_type, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from moe_train.stop import StopRequest
 from moe_train.stop_signals import ignore_stop_signals
@@ -47,6 +46,7 @@ from parallel.adamw import MOMENT_DTYPES
 from parallel.data_parallel import GradientSync
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.failures import collective_failure
+from parallel.mixed_precision import release_grads, use_bf16_parameters
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
@@ -164,7 +164,6 @@ class Trainer:
             lowered, specs = plan_pipeline(config, topology.dp)
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
                                           config.train.seq_length, dispatcher, config.parallel.timeout_s,
-                                          forward_context=lambda: autocast(self.device, config.train.precision),
                                           overlap=config.parallel.overlap)
             self.model = self.pipeline.model
             if measures_zb_costs(config.parallel):
@@ -173,8 +172,12 @@ class Trainer:
             self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
+        bf16 = config.train.precision == "bf16"  # bf16 parameters, fp32 main params and grads: parallel.mixed_precision
+        self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None,
+                                         main_params=bf16)
+        if bf16:
+            use_bf16_parameters(self.model)
         self.compiled = compile_model(self.model, config.train.compile, config.train.precision)
-        self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None)
         self.ema = None if config.optim.ema_decay is None else ParameterEMA(
             master_weights(self.model, self.optimizer), config.optim.ema_decay)
         self.grads = GradientSync(self.model, topology,
@@ -283,9 +286,10 @@ class Trainer:
         return f"the last good checkpoint is kept: {iteration_dir(self.cfg.checkpoint_dir, step)}"
 
     def state_is_finite(self) -> bool:
-        """Whether every weight, buffer, optimizer state and EMA tensor of the whole job is finite: one
-        all-reduce and one host read, made before each save."""
+        """Whether every weight, buffer, fp32 main parameter, optimizer state and EMA tensor of the whole
+        job is finite: one all-reduce and one host read, made before each save."""
         tensors = [*self.model.parameters(), *self.model.buffers(),
+                   *master_weights(self.model, self.optimizer).values(),
                    *(v for state in self.optimizer.state.values() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.is_floating_point())]
         finite = torch.stack([t.isfinite().all() for t in tensors]).all()
@@ -320,8 +324,7 @@ class Trainer:
         scale = 1.0 / len(micro_batches)
         for rows in micro_batches:
             rows = rows.to(self.device, non_blocking=True)
-            with autocast(self.device, self.cfg.train.precision):
-                out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
+            out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
             (out.loss * scale).backward()
             sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
@@ -401,7 +404,7 @@ class Trainer:
         self.optimizer.step()
         if self.ema is not None:
             self.ema.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        release_grads(self.model.parameters())
         load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
         self.step += 1
         return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio, "skipped": skipped}
@@ -426,8 +429,7 @@ class Trainer:
             mbs, total = self.cfg.train.micro_batch_size, torch.zeros((), device=self.device)
             for i in range(self.cfg.train.eval_iters):
                 rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
-                with autocast(self.device, self.cfg.train.precision):
-                    total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss
+                total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss
             return total.item() / self.cfg.train.eval_iters
         finally:
             self.model.train()

@@ -4,7 +4,8 @@ Each rank's loss is the mean over its own micro-batches, so the global loss is t
 dp ranks of a stage. Dense gradients are therefore averaged over dp. An expert's gradient already
 sums the contributions of every rank of its EP group (they flow back through combine/dispatch),
 so expert gradients are summed over the expert-data-parallel replicas and divided by dp.
-Without a topology (one process) every operation is the identity.
+Without a topology (one process) every operation is the identity. Gradients are read through
+`parallel.mixed_precision` (fp32 `.grad`, or the fp32 main grads of bf16 parameters).
 
 A reduction can also start piece by piece (`launch`, as the pipeline does once a parameter's
 gradient is final) and be completed with `finish` before the optimizer step: each `launch` is one
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.mixed_precision import current_grad, grad_buffer
 from parallel.topology import Topology
 
 EXPERT_MARKER = ".experts."
@@ -55,16 +57,10 @@ class GradientSync:
         self.expert_ids = {id(p) for p in self.expert}
         self.in_flight: list[_InFlight] = []
 
-    def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        return [param.grad for param in params]
-
     def _start(self, params: list[nn.Parameter], group: dist.ProcessGroup, scale: float) -> None:
         if not params:
             return
-        grads = self._grads(params)
+        grads = [grad_buffer(p) for p in params]
         flat = _flatten_dense_tensors(grads)
         self.in_flight.append(_InFlight(dist.all_reduce(flat, group=group, async_op=True), flat, grads, scale))
 
@@ -99,8 +95,8 @@ class GradientSync:
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm of the full model's reduced gradient, each replicated tensor counted once."""
-        dense = [p.grad for p in self.dense if p.grad is not None and id(p) not in self.norm_duplicates]
-        expert = [p.grad for p in self.expert if p.grad is not None and id(p) not in self.norm_duplicates]
+        dense, expert = ([g for g in (current_grad(p) for p in params if id(p) not in self.norm_duplicates)
+                          if g is not None] for params in (self.dense, self.expert))
         squares = torch.zeros((), dtype=torch.float32, device=(self.dense + self.expert)[0].device)
         topo = self.topology
         if topo is None or topo.dp_rank == 0:
@@ -117,9 +113,9 @@ class GradientSync:
         total = self.global_norm()
         if max_norm and max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for param in self.dense + self.expert:
-                if param.grad is not None:
-                    param.grad.mul_(coef)
+            for grad in map(current_grad, self.dense + self.expert):
+                if grad is not None:
+                    grad.mul_(coef)
         return total
 
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:

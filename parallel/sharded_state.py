@@ -5,7 +5,8 @@ its own key (`<name>.expert_<global id>`), and AdamW state is keyed by parameter
 views of the live tensors, so `torch.distributed.checkpoint` saves them as they are and loads
 into them in place. A checkpoint written by one layout (one process, or any dp x ep) therefore
 loads into any other: each rank simply asks for the keys it holds now. The EMA of the parameters
-(moe_train.ema) is keyed the same way (`split_experts`).
+(moe_train.ema) is keyed the same way (`split_experts`). A bf16 model's parameters are saved as their
+fp32 main parameters, each by a rank that owns it (parallel.mixed_precision).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from model.moe import RoutedExperts
+from parallel.mixed_precision import checkpoint_values, main_param
 
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
 
@@ -41,9 +43,11 @@ def split_experts(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers (router biases included), experts split per expert."""
-    return split_experts(model, model.state_dict())
+def model_state(model: nn.Module, values: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers (router biases included), experts split per expert: `values`
+    (keyed as the state dict; a bf16 model's fp32 values, `mixed_precision.checkpoint_values`), by
+    default what this rank saves."""
+    return split_experts(model, checkpoint_values(model, loading=False) if values is None else values)
 
 
 def _owned_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -57,7 +61,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     continues from the loaded step count.
     """
     offsets = _expert_offsets(model)
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(main_param(p)): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for param in _owned_parameters(optimizer):
         state = optimizer.state[param]

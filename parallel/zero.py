@@ -5,18 +5,19 @@ parameters have two kinds of replica groups (dense: data-parallel; routed expert
 parallel, the experts being sharded over EP), and because checkpoints must address optimizer
 state by parameter name so a run can resume with another layout.
 After the owner's step, each owner broadcasts its updated parameters (one flat buffer per owner).
-Each owner steps its tensors with the run's AdamW (parallel.adamw.make_adamw: fp32 or bf16
-moments), so the result equals the unsharded optimizer bit for bit up to the reduction order of the
-gradients.
+Each owner steps its tensors with the run's optimizer (built by `make_local`: parallel.adamw's AdamW,
+fp32 or bf16 moments, possibly over fp32 main parameters), so the result equals the unsharded
+optimizer bit for bit up to the reduction order of the gradients.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.adamw import make_adamw
 from parallel.data_parallel import is_expert_parameter
 from parallel.topology import Topology
 
@@ -36,12 +37,13 @@ class ZeroOneAdamW:
     """AdamW with optimizer state sharded over dp (dense) and expert-dp (experts).
 
     `param_groups` are AdamW parameter groups of `model` (e.g. with and without weight decay);
-    each rank's local AdamW (`make_adamw(groups, moment_dtype, **adam_kwargs)`) holds the same
-    groups restricted to the parameters it owns.
+    `make_local` builds this rank's local optimizer from the same groups restricted to the parameters
+    it owns (an AdamW, or one stepping their fp32 main parameters: `parallel.mixed_precision`). The
+    broadcast moves the parameters in their own dtype (bf16 parameters: half the bytes of fp32).
     """
 
-    def __init__(self, model: nn.Module, param_groups: list[dict], topology: Topology, moment_dtype: str,
-                 **adam_kwargs) -> None:
+    def __init__(self, model: nn.Module, param_groups: list[dict], topology: Topology,
+                 make_local: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
         self.model, self.topology = model, topology
         expert_ids = {id(p) for n, p in model.named_parameters() if is_expert_parameter(n)}
         group_of = {id(p): index for index, group in enumerate(param_groups) for p in group["params"]}
@@ -59,7 +61,7 @@ class ZeroOneAdamW:
             for param, owner in zip(params, owners):
                 if owner == my_index:
                     local_groups[group_of[id(param)]]["params"].append(param)
-        self.local = make_adamw(local_groups, moment_dtype, **adam_kwargs)
+        self.local = make_local(local_groups)
 
     @property
     def param_groups(self) -> list[dict]:

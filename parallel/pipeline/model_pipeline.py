@@ -9,14 +9,14 @@ they are only summed over their pair, after the step).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, ContextManager, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher
 from parallel.data_parallel import GradientSync
+from parallel.mixed_precision import zero_grad_buffers
 from parallel.topology import Topology, group_ranks
 
 from .grad_ready import GradientReadiness, release_positions, split_weights
@@ -27,7 +27,7 @@ from .replicas import PipelineReplicas
 from .runtime import PipelineRuntime
 from .stage import MicroBatch, StageSpec, build_stages, stage_specs
 from .timeline import Costs
-from .wgrad import WeightGradStore, zero_grad_buffers
+from .wgrad import WeightGradStore
 
 
 def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, virtual_stages: Optional[int] = None,
@@ -44,23 +44,18 @@ def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, vi
 class ModelPipeline:
     """This rank's stages of the model and the runtime that runs them.
 
-    `forward_context` wraps every stage forward (e.g. bf16 autocast); backwards run outside it.
     `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`).
     The runtime is created at the first step, when the model has its final device and dtype.
     """
 
     def __init__(self, args: ModelArgs, topology: Topology, lowered: LoweredSchedule, specs: Sequence[StageSpec],
                  micro_batch_size: int, seq_length: int, dispatcher: Optional[Dispatcher] = None,
-                 timeout_s: float = 300.0,
-                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-                 overlap: bool = True) -> None:
+                 timeout_s: float = 300.0, overlap: bool = True) -> None:
         self.topology, self.lowered = topology, lowered
         placement = lowered.schedule.placement
         self.store = WeightGradStore()
         self.model, self.stages = build_stages(args, specs, placement.stages_on(topology.pp_rank), self.store,
                                                dispatcher)
-        for stage in self.stages.values():
-            stage.forward_context = forward_context
         pipelines = group_ranks(topology.world_size, topology.pp, topology.ep, topology.gpus_per_node).pp
         self.replicas = PipelineReplicas(self.model, placement, topology.pp_rank, pipelines,
                                          tied_embedding=args.mtp_num_layers > 0, timeout_s=timeout_s,

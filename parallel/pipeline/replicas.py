@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from parallel.mixed_precision import grad_buffer
+
 from .ir import Placement
 
 EMBEDDING = "embed_tokens.weight"
@@ -122,10 +124,7 @@ class PipelineReplicas:
         """Sum the replicated gradients over the pair (before the data-parallel reduction)."""
         if self.group is None:
             return
-        for param in self.params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in self.params]
+        grads = [grad_buffer(param) for param in self.params]
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.group)
         for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):

@@ -18,9 +18,8 @@ tied-embedding group, `parallel.pipeline.replicas`); both replicas then take the
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -162,7 +161,6 @@ class ModelStage:
     def __init__(self, model: DeepSeekV3, spec: StageSpec) -> None:
         self.model, self.spec, self.part = model, spec, spec.part
         self.parts: dict[int, torch.Tensor] = {}  # micro-batch -> [lm, mtp, aux], until popped
-        self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
     def is_first(self) -> bool:
@@ -180,9 +178,8 @@ class ModelStage:
         return [p for module in self.modules() for p in module.parameters()]
 
     def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: MicroBatch) -> torch.Tensor:
-        with self.forward_context():
-            out = self.model(inputs.input_ids, inputs.labels, hidden=x, part=self.part,
-                             mtp_loss_scale=inputs.mtp_loss_scale, aux_grad_scale=inputs.loss_scale)
+        out = self.model(inputs.input_ids, inputs.labels, hidden=x, part=self.part,
+                         mtp_loss_scale=inputs.mtp_loss_scale, aux_grad_scale=inputs.loss_scale)
         zero = out.aux_loss.new_zeros((), dtype=torch.float64)
         lm, mtp = (out.lm_loss.double(), out.mtp_loss.double()) if self.is_last else (zero, zero)
         self.parts[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])

@@ -18,17 +18,16 @@ A runtime step, for actions keyed by (stage, microbatch), on `DeepSeekV3(..., Sp
     BW: with store.scope(stage, mb, ActionKind.BW): torch.autograd.backward(out, grad)
     store.assert_empty()                            # then the optimizer step
 
-Gradient buffers: the weight gradient accumulates into the parameter's own `.grad`. Parameters
-are fp32 master weights (bf16 runs use autocast), so `.grad` already is the fp32 accumulation
-buffer that the optimizer, gradient clipping and the gradient reduction read; a separate
-`main_grad` would only add a copy per step. The buffers persist across steps and are zeroed in
-place by `zero_grad_buffers` (not set to None), so the data-parallel layer may later make them
-views of flat communication buckets.
+Gradient buffers: the weight gradient accumulates through `parallel.mixed_precision.accumulate_grad`,
+the one accumulation every backward uses: into the parameter's own fp32 `.grad` in an fp32 model,
+into its fp32 `main_grad` when the parameters are bf16. The buffers persist across steps and are
+zeroed in place by `zero_grad_buffers` (not set to None), so the data-parallel layer may later make
+them views of flat communication buckets.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.layers import GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
+from parallel.mixed_precision import accumulate_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
 
 WeightGradWork = Callable[[], None]
@@ -120,31 +120,16 @@ class WeightGradStore:
             raise ScheduleError(f"W store is not empty at the end of the step: missing {missing}")
 
 
-def zero_grad_buffers(params: Iterable[nn.Parameter]) -> None:
-    """The per-step reset: zero every gradient buffer in place, creating those that are missing."""
-    for param in params:
-        if not param.requires_grad:
-            continue
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        else:
-            param.grad.zero_()
-
-
-def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    param.grad.add_(grad)
-
-
+@torch.no_grad()  # W runs outside the backward: the saved operands still require grad, build no graph on them
 def _linear_weight_grad(weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-    _accumulate(weight, grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+    accumulate_grad(weight, grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
 
 
+@torch.no_grad()
 def _grouped_weight_grad(weight: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor,
                          offsets: torch.Tensor) -> None:
     """Adds a gradient for every expert; the slice of an expert that got no tokens is zero."""
-    _accumulate(weight, grouped_weight_grad(grad_out, x, offsets))
+    accumulate_grad(weight, grouped_weight_grad(grad_out, x, offsets))
 
 
 class SplitLinearFunction(torch.autograd.Function):

@@ -16,7 +16,8 @@ from parallel.pipeline import plan
 from parallel.pipeline.replicas import PipelineReplicas
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.stage import MicroBatch, build_stages, stage_specs
-from parallel.pipeline.wgrad import WeightGradStore, zero_grad_buffers
+from parallel.mixed_precision import zero_grad_buffers
+from parallel.pipeline.wgrad import WeightGradStore
 
 SEED, BATCH, SEQ, LR = 7, 1, 8, 0.05
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=4e-5)}

@@ -8,11 +8,14 @@ starts during the step, validation through the pipeline, and bf16.
   by one all-reduce of four numbers instead of a pair sum then a dp sum, so another association:
   fp32 tolerance for those. Every parameter is launched exactly once.
 - Validation: `Trainer.evaluate` with pp 2 x dp 2 equals the single-process evaluation.
-- bf16: pp 2 training under autocast follows the single-process bf16 run. The first step's loss
-  comes from the same parameters and the same bf16 forward, so it agrees to rel 1e-5 (fp32
-  differs from bf16 there by 6e-5, so this also shows the stages ran under autocast). Later
-  steps follow updates from bf16 gradients summed in another order (split W, pipeline and dp
-  reductions), whose rounding compounds: rel 1e-3 (measured: 3e-5 after two updates).
+- bf16: pp 2 with bf16 parameters (zb-h1: split W) follows the single-process bf16 run. The first
+  step's loss comes from the same bf16 parameters and the same bf16 forward, so it agrees to rel
+  1e-5 (fp32 differs from bf16 there by far more, so this also shows the stages ran in bf16). The
+  main grads are fp32 sums of the same bf16 per-micro-batch gradients (the head's two W closures
+  per micro-batch, its own and the MTP's, added one by one: another fp32 association), so the
+  first step's fp32 main parameters agree to fp32 rounding; a bf16 parameter may still round one
+  ulp apart where its main parameter sits at a rounding boundary, and that compounds over later
+  steps: rel 1e-4.
 """
 import pytest
 import torch
@@ -122,6 +125,11 @@ def test_bf16_pipeline_follows_single_process(pools, corpus_cache, tmp_path):  #
     reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), *SHORT, "train.precision=bf16"))
     expected = [m["loss"] for m in read_metrics([reference.train_step() for _ in range(3)])]
     results = pools.get(2).run(bf16_losses, corpus_cache, str(tmp_path / "run"), 3, deadline_s=120)
+    fp32 = [m["loss"] for m in read_metrics([Trainer(tiny_config(corpus_cache, str(tmp_path / "fp32"),
+                                                                     *SHORT)).train_step()])]
     for losses in results:
+        print(f"|pp 2 - one process| / one process: {[abs(a - b) / b for a, b in zip(losses, expected)]}; "
+              f"first step fp32 vs bf16 {abs(fp32[0] - expected[0]) / expected[0]:.2g}")
         assert losses[0] == pytest.approx(expected[0], rel=1e-5)
-        assert losses[1:] == pytest.approx(expected[1:], rel=1e-3)
+        assert abs(fp32[0] - expected[0]) > 10 * abs(losses[0] - expected[0])
+        assert losses[1:] == pytest.approx(expected[1:], rel=1e-4)

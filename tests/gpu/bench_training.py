@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = args.steps * config.train.global_batch_size * config.train.seq_length / elapsed
         mfu = tokens * trainer.flops_per_token / (config.train.peak_tflops * 1e12)
         ids = torch.randint(0, config.model.vocab_size, (1, config.train.seq_length), device=trainer.device)
-        census = census_step(trainer.model, ids, ids.roll(-1, dims=1), config.train.precision)
+        census = census_step(trainer.model, ids, ids.roll(-1, dims=1))
     recompute = ",".join(config.model.recompute_modules) or "none"
     print(f"{config.train.precision} training, {Path(args.config).name}, recompute {recompute}: {tokens:,.0f} tokens/s, MFU {100 * mfu:.1f}%, peak memory "
           f"{peak:.1f} GiB, {len(syncs) / args.steps:.1f} host syncs per step, {100 * census.share():.1f}% of the "

@@ -1,6 +1,6 @@
-"""bf16 where it belongs: under `train.precision=bf16` every weight GEMM has bf16 operands (dense,
-routed experts, attention, head, MTP), in forward, backward and the split backward's deferred W;
-only the router logits stay fp32, and weight gradients land in the fp32 master weights' `.grad`.
+"""bf16 where it belongs: with `train.precision=bf16`'s bf16 parameters every weight GEMM has bf16
+operands (dense, routed experts, attention, head, MTP), in forward, backward and the split backward's
+deferred W; only the router logits stay fp32, and weight gradients land in the fp32 `main_grad`s.
 
 The GEMMs are recorded by `benchmarks.gemm_precision.GemmCensus` (a TorchDispatchMode), whose
 FLOP count is first checked against the closed-form count of `model/flops.py`.
@@ -18,7 +18,7 @@ from model.layers import GroupedLinear, RMSNorm
 from model.router import Router
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from moe_train.runtime import autocast
+from parallel.mixed_precision import use_bf16_parameters
 from parallel.pipeline.ir import ActionKind
 from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
@@ -52,10 +52,27 @@ def split_demo_model(demo_model):
     return model
 
 
+@pytest.fixture(scope="module")
+def bf16_demo_model(demo_model):
+    """demo_model's weights as bf16 parameters with fp32 main grads (what train.precision=bf16 trains)."""
+    model = DeepSeekV3(DEMO).train()
+    model.load_state_dict(demo_model.state_dict())
+    use_bf16_parameters(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bf16_split_demo_model(split_demo_model):
+    model = DeepSeekV3(DEMO, gemms=SplitGemmOps(WeightGradStore())).train()
+    model.load_state_dict(split_demo_model.state_dict())
+    use_bf16_parameters(model)
+    return model
+
+
 def test_census_counts_every_gemm_flop_of_a_step(demo_model):
     """fp32 step: the census' FLOPs equal model/flops.py's training FLOPs (full attention) plus what
     the kernels add, minus the norms that flops.py counts as parameters: exactly."""
-    census = census_step(demo_model, *draw_ids(1, DEMO.vocab_size), precision="fp32")
+    census = census_step(demo_model, *draw_ids(1, DEMO.vocab_size))
     a = DEMO
     attention_layers = a.num_layers + a.mtp_num_layers
     # v is zero-padded to the qk head dim (3 passes); the flash backward recomputes q k^T (once).
@@ -70,8 +87,8 @@ def test_census_counts_every_gemm_flop_of_a_step(demo_model):
 
 @pytest.mark.parametrize("split", [False, True], ids=["autograd", "split-B-W"])
 def test_bf16_step_runs_its_weight_gemms_in_bf16(request, split):
-    demo_model = request.getfixturevalue("split_demo_model" if split else "demo_model")
-    census = census_step(demo_model, *draw_ids(2, DEMO.vocab_size), precision="bf16")
+    demo_model = request.getfixturevalue("bf16_split_demo_model" if split else "bf16_demo_model")
+    census = census_step(demo_model, *draw_ids(2, DEMO.vocab_size))
     routers = {name for name, m in demo_model.named_modules() if isinstance(m, Router)}
     fp32_outside_routers = {key: flops for key, flops in census.other_than(torch.bfloat16).items()
                             if key[0] not in routers}
@@ -89,9 +106,9 @@ def test_bf16_step_runs_its_weight_gemms_in_bf16(request, split):
     # The routed experts' grouped GEMMs ran in every phase: forward, input grad, weight grad (W if split).
     expert_phases = {c.phase for c in census.calls if c.kernel == "_grouped_mm"}
     assert expert_phases == ({"forward", "backward", "W"} if split else {"forward", "backward"})
-    # fp32 master weights, their gradients in fp32 `.grad`.
+    # bf16 parameters, their gradients in the fp32 main grads (`.grad` freed).
     for name, param in demo_model.named_parameters():
-        assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
+        assert param.dtype == torch.bfloat16 and param.main_grad.dtype == torch.float32 and param.grad is None, name
 
 
 class InputDtypes(TorchDispatchMode):
@@ -107,12 +124,11 @@ class InputDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(demo_model):
+def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(bf16_demo_model):
     aten = torch.ops.aten
     ids, labels = draw_ids(3, DEMO.vocab_size, batch=1)
     with InputDtypes({aten.rsqrt, aten._log_softmax, aten.nll_loss_forward, aten.sigmoid}) as mode:
-        with autocast(ids.device, "bf16"):
-            out = demo_model(ids, labels, aux_grad_scale=1.0)
+        out = bf16_demo_model(ids, labels, aux_grad_scale=1.0)
         out.loss.backward()
     # RMSNorm's 1/rms, the cross-entropies (head and MTP) and the router's sigmoid scores.
     assert mode.seen == {"rsqrt": {torch.float32}, "_log_softmax": {torch.float32},
@@ -122,38 +138,39 @@ def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(demo_model):
 
 def grouped_forward_backward(layer: GroupedLinear, x: torch.Tensor, offsets: torch.Tensor,
                              grad_out: torch.Tensor, split: bool) -> torch.Tensor:
-    """Forward under bf16 autocast and backward; split: a B scope, then its W."""
+    """Forward (bf16 weight) and backward; split: a B scope, then its W."""
     if not split:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(x, offsets)
+        y = layer(x, offsets)
         y.backward(grad_out)
         return y
     store = WeightGradStore()
     layer.gemms = SplitGemmOps(store)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(x, offsets)
+    y = layer(x, offsets)
     with store.scope(0, 0, ActionKind.B):
         y.backward(grad_out)
-    assert layer.weight.grad is None
+    assert not layer.weight.main_grad.any()
     store.run_w(0, 0)
     return y
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["autograd", "split-B-W"])
 def test_bf16_grouped_linear_equals_exact_math_on_bf16_operands(split):
-    """Under autocast the grouped GEMM multiplies bf16-rounded x and W and rounds once to bf16:
-    output, input grad and (fp32) weight grad are within half a bf16 ulp (2^-8 relative) of fp64
-    math on the rounded operands. fp32 math on the unrounded operands is not."""
+    """With a bf16 weight the grouped GEMM multiplies bf16-rounded x and W and rounds once to bf16:
+    output, input grad and the (fp32 main) weight grad are within half a bf16 ulp (2^-8 relative) of
+    fp64 math on the rounded operands. fp32 math on the unrounded operands is not."""
     seed = 5
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     layer = GroupedLinear(4, 32, 24)
-    layer.weight.data = torch.randn(4, 24, 32, generator=gen)
+    weight = torch.randn(4, 24, 32, generator=gen)
+    layer.weight.data = weight.clone()
+    use_bf16_parameters(layer)
     offsets = torch.cumsum(torch.tensor([9, 0, 14, 9]), 0).to(torch.int32)
     x = torch.randn(32, 32, generator=gen, requires_grad=True)
     grad_out = torch.randn(32, 24, generator=gen)
     y = grouped_forward_backward(layer, x, offsets, grad_out, split)
-    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    w_grad = layer.weight.main_grad
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32 and w_grad.dtype == torch.float32
 
     ends = offsets.tolist()
     rows = [slice(start, end) for start, end in zip([0] + ends[:-1], ends)]
@@ -168,7 +185,7 @@ def test_bf16_grouped_linear_equals_exact_math_on_bf16_operands(split):
     half_ulp = dict(rtol=2 ** -8 * 1.01, atol=1e-30)
     torch.testing.assert_close(y.double(), y64, **half_ulp)
     torch.testing.assert_close(x.grad.double(), x64.grad, **half_ulp)
-    torch.testing.assert_close(layer.weight.grad.double(), w64.grad, **half_ulp)
-    assert layer.weight.grad[1].abs().sum() == 0
-    y32 = grouped_reference(x.detach(), layer.weight.detach())
+    torch.testing.assert_close(w_grad.double(), w64.grad, **half_ulp)
+    assert w_grad[1].abs().sum() == 0
+    y32 = grouped_reference(x.detach(), weight)
     assert not torch.allclose(y32.double(), y64, **half_ulp)

@@ -88,16 +88,18 @@ def test_the_ema_is_the_float64_recurrence_over_the_parameters_after_each_step(t
     assert all(a.device.type == "cpu" and a.dtype == torch.float32 for a in t.ema.average.values())
 
 
-def test_a_stop_signal_save_and_resume_continue_the_ema_bit_for_bit(tmp_path, cache_dir, seed):
-    decay = f"optim.ema_decay={decay_of(seed)}"
-    straight = trainer(tmp_path / "straight", cache_dir, seed, decay)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_stop_signal_save_and_resume_continue_the_ema_bit_for_bit(tmp_path, cache_dir, seed, precision):
+    """bf16: the EMA averages the fp32 main parameters, which the checkpoint holds, so it continues exactly too."""
+    decay = (f"optim.ema_decay={decay_of(seed)}", f"train.precision={precision}")
+    straight = trainer(tmp_path / "straight", cache_dir, seed, *decay)
     assert straight.train() == 0 and straight.step == 4
-    stopped = trainer(tmp_path / "run", cache_dir, seed, decay)
+    stopped = trainer(tmp_path / "run", cache_dir, seed, *decay)
     stopped.stop.note(signal.SIGTERM)
     before = ema_threads()
     assert stopped.train() == 0 and stopped.step == 1  # saved step 1 and ended its thread
     assert ema_threads() <= before
-    resumed = trainer(tmp_path / "run", cache_dir, seed, decay)
+    resumed = trainer(tmp_path / "run", cache_dir, seed, *decay)
     assert resumed.step == 1
     assert all(torch.equal(resumed.ema.average[n], a) for n, a in stopped.ema.average.items())
     assert resumed.train() == 0 and ema_threads() <= before

@@ -16,7 +16,8 @@ from parallel.pipeline.ir import Action
 from parallel.pipeline.replicas import release_order
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.stage import MicroBatch, build_stages, stage_specs
-from parallel.pipeline.wgrad import WeightGradStore, zero_grad_buffers
+from parallel.mixed_precision import zero_grad_buffers
+from parallel.pipeline.wgrad import WeightGradStore
 
 ARGS = ModelArgs()
 MICROBATCHES, BATCH, SEQ = 3, 1, 8

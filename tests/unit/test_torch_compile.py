@@ -10,6 +10,7 @@ from model.layers import RMSNorm, SwiGLU
 from moe_train.config import load_config
 from moe_train.runtime import compile_model
 from moe_train.train import Trainer
+from parallel.mixed_precision import current_grad
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -58,7 +59,7 @@ def gradient_errors(trainer: Trainer, reference: Trainer) -> dict[str, float]:
     trainer.compute_gradients()
     reference.compute_gradients()
     expected = dict(reference.model.named_parameters())
-    return {name: ((p.grad - expected[name].grad).norm() / expected[name].grad.norm()).item()
+    return {name: ((current_grad(p) - current_grad(expected[name])).norm() / current_grad(expected[name]).norm()).item()
             for name, p in trainer.model.named_parameters()}
 
 

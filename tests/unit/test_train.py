@@ -272,14 +272,15 @@ def test_bf16_training_on_cpu(tmp_path, cache_dir):
 
 def test_bf16_loss_curve_follows_fp32(cache_dir):
     """The same run (seed, data, initialisation) in bf16 and fp32: the curves agree to bf16
-    noise (measured on the tiny config: max 0.042, mean 0.020 over 20 steps) and both fall."""
+    noise (measured on the tiny config: max 0.012, mean 0.006 over 20 steps with bf16 parameters;
+    the former bf16 autocast: max 0.050, mean 0.025) and both fall."""
     settings = [f"data.cache_dir={cache_dir}", "data.demo_max_bytes=400000", "train.threads=1"]
     curves = {p: loss_curve(TINY, p, 20, settings) for p in ("fp32", "bf16")}
     print(f"seed {load_config(TINY).train.seed}")
     worst, mean = curve_difference(curves["bf16"], curves["fp32"])
     print(f"|bf16 - fp32|: max {worst:.4f}, mean {mean:.4f}")
     assert curves["bf16"][0] == pytest.approx(curves["fp32"][0], abs=1e-3)  # same model and batch
-    assert worst < 0.1 and mean < 0.04
+    assert worst < 0.025 and mean < 0.012
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
 
 

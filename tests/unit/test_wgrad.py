@@ -8,7 +8,8 @@ from model.args import ModelArgs
 from model.layers import GemmOps, GroupedLinear, Linear
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.pipeline.ir import ActionKind, ScheduleError
-from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore, zero_grad_buffers
+from parallel.mixed_precision import zero_grad_buffers
+from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
 TINY = ModelArgs()
 CUT = 2  # stage 0: embedding + layers[:CUT]; stage 1: the other layers, norm, head, MTP, loss
