@@ -221,6 +221,22 @@ def test_recompute_replays_under_the_forwards_autocast():
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_recompute_with_bf16_parameters_is_bit_identical():
+    """bf16 parameters (train.precision=bf16): the rebuilt regions compute the same bf16 values."""
+    seed = 13
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    plain = DeepSeekV3(TINY).train()
+    again = DeepSeekV3(dataclasses.replace(TINY, recompute_modules=["layernorm", "mla_up_proj", "moe_act"])).train()
+    again.load_state_dict(plain.state_dict())
+    inputs, labels = batch(TINY, seed=seed + 2)
+    for model in (plain, again):
+        model.to(torch.bfloat16)
+        model(inputs, labels, aux_grad_scale=1.0).loss.backward()
+    for (name, a), b in zip(plain.named_parameters(), again.parameters()):
+        assert a.grad.dtype == torch.bfloat16 and torch.equal(a.grad, b.grad), name
+
+
 def test_a_training_forward_without_the_balance_loss_gradient_scale_fails_loudly():
     """Forgetting aux_grad_scale raises instead of giving the balance loss some default gradient;
     forwards without a balance-loss gradient (eval, no_grad, coefficient 0) need none."""
