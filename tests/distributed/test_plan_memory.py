@@ -27,7 +27,7 @@ def state_bytes(cache_dir: str, run_dir: str) -> dict:
         out = {"pp_rank": topology.pp_rank,
                "dense": sum(p.numel() for n, p in named if not is_expert_parameter(n)),
                "expert": sum(p.numel() for n, p in named if is_expert_parameter(n)),
-               "weights": _bytes(params) + _bytes(p.grad for p in params)}
+               "weights": _bytes(params), "grads": _bytes(p.grad for p in params)}
         trainer.apply_update()
         out["adam"] = _bytes(t for state in trainer.optimizer.state.values() for t in state.values())
         return out
@@ -46,6 +46,7 @@ def test_planned_parameters_gradients_and_adam_state_equal_the_trainers(pools, c
         mine = [m for m in measured if m["pp_rank"] == rank.pp_rank]
         assert len(mine) == 2
         assert all((m["dense"], m["expert"]) == (rank.dense_params, rank.expert_params) for m in mine), (rank, mine)
-        assert all(m["weights"] == rank.weights for m in mine), (rank, mine)
+        assert all((m["weights"], m["grads"]) == (rank.weights, rank.grads) for m in mine), (rank, mine)
+        assert rank.main_params == 0  # fp32: the parameters are the master weights
         assert max(m["adam"] for m in mine) == rank.optimizer, (rank, mine)  # the dp rank ZeRO-1 gives the most
         assert min(m["adam"] for m in mine) < rank.optimizer  # ... and the two dp ranks differ
