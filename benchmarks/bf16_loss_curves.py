@@ -42,10 +42,17 @@ def main() -> None:
     curves = {p: loss_curve(opts.config, p, opts.steps, opts.overrides) for p in ("fp32", "bf16")}
     seed = load_config(opts.config, opts.overrides).train.seed
     print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
-    for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
-        print(f"step {step + 1:4d}  fp32 {curves['fp32'][step]:.4f}  bf16 {curves['bf16'][step]:.4f}")
+    print_curves(curves, "")
+
+
+def print_curves(curves: dict[str, list[float]], what: str) -> None:
+    """Every tenth step of the fp32 and bf16 curves, then how far apart they are; `what` names what
+    is fp32 or bf16 (' moments'; '' for the compute precision)."""
+    steps = len(curves["fp32"])
+    for step in sorted({0, *range(9, steps, 10), steps - 1}):
+        print(f"step {step + 1:4d}  fp32{what} {curves['fp32'][step]:.4f}  bf16{what} {curves['bf16'][step]:.4f}")
     worst, mean = curve_difference(curves["bf16"], curves["fp32"])
-    print(f"|bf16 - fp32| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
+    print(f"|bf16 - fp32{what}| loss over {steps} steps: max {worst:.4f}, mean {mean:.4f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.bf16_loss_curves import curve_difference, loss_curve
+from benchmarks.bf16_loss_curves import loss_curve, print_curves
 from moe_train.config import load_config
 
 MOMENT_DTYPES = ("fp32", "bf16")
@@ -29,11 +29,7 @@ def main() -> None:
     curves = moment_curves(opts.config, opts.steps, opts.overrides)
     config = load_config(opts.config, opts.overrides)
     print(f"config {opts.config}, {opts.steps} steps, seed {config.train.seed}, precision {config.train.precision}")
-    for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
-        print(f"step {step + 1:4d}  fp32 moments {curves['fp32'][step]:.4f}  bf16 moments {curves['bf16'][step]:.4f}")
-    worst, mean = curve_difference(curves["bf16"], curves["fp32"])
-    print(f"|bf16 - fp32 moments| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
-
+    print_curves(curves, " moments")
 
 if __name__ == "__main__":
     main()
