@@ -23,7 +23,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from parallel.mixed_precision import use_bf16_parameters, zero_grad_buffers
+from parallel.data_parallel import build_buffers
+from parallel.mixed_precision import zero_grad_buffers
 from parallel.pipeline.ir import ActionKind
 from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
@@ -170,7 +171,7 @@ def main() -> None:
     split_model = DeepSeekV3(args, gemms=SplitGemmOps(WeightGradStore())).train()
     split_model.load_state_dict(model.state_dict())
     for bf16_model in (model, split_model):
-        use_bf16_parameters(bf16_model)
+        build_buffers(bf16_model, None, torch.bfloat16, shard=False)
     ids = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1))
     print(f"config {opts.config}, batch {opts.batch} x seq {opts.seq}, forward+backward with bf16 parameters")
     for split, stepped in ((False, model), (True, split_model)):

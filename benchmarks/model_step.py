@@ -26,7 +26,8 @@ from model.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 from moe_train.runtime import compile_model
-from parallel.mixed_precision import release_grads, use_bf16_parameters
+from parallel.data_parallel import build_buffers
+from parallel.mixed_precision import release_grads
 
 
 def time_alternating(steps: dict, warmup: int, repeats: int) -> dict[str, float]:
@@ -79,7 +80,7 @@ def main() -> None:
     def copy_of_ours(precision: str) -> torch.nn.Module:
         model = copy.deepcopy(ours)
         if precision == "bf16":
-            use_bf16_parameters(model)
+            build_buffers(model, None, torch.bfloat16, shard=False)
         return model
 
     bf16 = copy_of_ours("bf16")

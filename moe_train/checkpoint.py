@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from moe_train.data.atomic import fsync_dir
 from moe_train.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
+from parallel.flat_range import FlatRange
 from parallel.mixed_precision import checkpoint_values, set_parameters
 from parallel.sharded_state import ADAM_STATE, model_state, optimizer_state
 
@@ -207,7 +208,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     what = f"saving {final}"
     on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
     state = _full_state_dict(model, optimizer, ema)
-    needed = sum(t.numel() * t.element_size() for _, t in _flat_tensors(state))
+    needed = sum((t.values if isinstance(t, FlatRange) else t).nbytes for _, t in _flat_tensors(state))
     on_all_ranks(lambda: quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
                                      process_group=process_group), process_group, what, (root, needed))
     on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)

@@ -55,7 +55,11 @@ class ParallelConfig:
             simulates nodes on CPU)
         dispatcher: token dispatcher: auto (local for ep 1, hierarchical when EP spans nodes, else
             alltoall; never native), local, alltoall, hierarchical, native or deepep
-        zero1: shard the optimizer state over data-parallel ranks (ZeRO-1)
+        zero1: shard the optimizer state and fp32 main parameters over data-parallel ranks (ZeRO-1, as
+            Megatron's distributed optimizer: one reduce-scatter of the gradients and one all-gather of
+            the parameters per step, instead of an all-reduce)
+        grad_bucket_elements: parameters per data-parallel bucket (at least; Megatron's --ddp-bucket-size):
+            a bucket's gradient reduction starts once all of its gradients are final
         timeout_s: seconds a collective may wait for its peers before the run fails
         schedule: pipeline schedule (see parallel.pipeline.builders.SCHEDULES)
         virtual_stages: model chunks per pipeline rank (interleaved schedules)
@@ -77,6 +81,7 @@ class ParallelConfig:
     gpus_per_node: Optional[int] = None
     dispatcher: str = "auto"
     zero1: bool = True
+    grad_bucket_elements: int = 40_000_000
     timeout_s: float = 300.0
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -417,7 +422,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 # Every numeric key's allowed values, by section (the model section's are in model.args.INTERVALS).
 INTERVALS: dict[str, dict[str, Interval]] = {
     "parallel": {
-        **dict.fromkeys(("pp", "ep", "virtual_stages"), POSITIVE_COUNT),
+        **dict.fromkeys(("pp", "ep", "virtual_stages", "grad_bucket_elements"), POSITIVE_COUNT),
         **dict.fromkeys(("gpus_per_node", "nproc_per_node"), Interval(low=1, optional=True)),
         **dict.fromkeys(("first_stage_layers", "last_stage_layers"), Interval(low=0, optional=True)),
         "timeout_s": Interval(low=0, low_open=True, unit="seconds"),

@@ -39,7 +39,6 @@ from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
 from parallel.pipeline.timeline import Timeline, simulate
-from parallel.zero import partition
 
 GIB = 2 ** 30
 
@@ -161,16 +160,11 @@ def moment_bytes(config: Config) -> int:
 
 
 def _adam_bytes(dense: list[int], expert: list[int], dp: int, ep: int, zero1: bool, per_element: int) -> float:
-    """Adam state of the worst data-parallel rank: the two moments, `per_element` bytes per element,
-    and the fp32 step count per tensor (parallel.adamw), of the tensors ZeRO-1 deals that rank (as
-    parallel.zero does: dense ones over dp, expert ones over expert-dp, whole tensors)."""
-    def owned(sizes: list[int], members: int) -> list[float]:
-        owners = partition(sizes, members)
-        return [sum(per_element * n + 4 for n, o in zip(sizes, owners) if o == m) for m in range(members)]
-
+    """Adam state of a data-parallel rank: the two moments, `per_element` bytes per element, of an even
+    share of the elements (parallel.grad_buffers: dense ones over dp, expert ones over expert-dp)."""
     dense_members = dp if zero1 else 1
-    dense_owned, expert_owned = owned(dense, dense_members), owned(expert, dense_members // ep or 1)
-    return max(dense_owned[r] + expert_owned[r // ep] for r in range(dense_members))
+    expert_members = max(dense_members // ep, 1)
+    return per_element * (-(-sum(dense) // dense_members) + -(-sum(expert) // expert_members))
 
 
 def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:

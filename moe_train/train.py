@@ -32,7 +32,7 @@ from moe_train.data.indexed_dataset import bin_path, idx_path
 from moe_train.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
 from moe_train.ema import ParameterEMA
-from moe_train.optim import build_optimizer, master_weights, set_learning_rate
+from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
 from moe_train.memory_limits import available_memory
 from moe_train.plan import start_up_memory_problems
@@ -43,15 +43,15 @@ from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 from moe_train.stop import StopRequest
 from moe_train.stop_signals import ignore_stop_signals
 from parallel.adamw import MOMENT_DTYPES
-from parallel.data_parallel import GradientSync
+from parallel.data_parallel import GradientSync, build_buffers
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.failures import collective_failure
-from parallel.mixed_precision import release_grads, use_bf16_parameters
+from parallel.mixed_precision import PARAM_DTYPES, release_grads
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
 from parallel.pipeline.stage import StageSpec
-from parallel.sharded_state import split_experts
+from parallel.sharded_state import piece_state
 from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
 
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
@@ -172,16 +172,15 @@ class Trainer:
             self.model = DeepSeekV3(config.model, dispatcher)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
-        bf16 = config.train.precision == "bf16"  # bf16 parameters, fp32 main params and grads: parallel.mixed_precision
-        self.optimizer = build_optimizer(self.model, config.optim, topology if config.parallel.zero1 else None,
-                                         main_params=bf16)
-        if bf16:
-            use_bf16_parameters(self.model)
+        # the parameters in data-parallel buckets, in the compute dtype (bf16: parallel.mixed_precision)
+        buffers = build_buffers(self.model, topology, PARAM_DTYPES[config.train.precision], config.parallel.zero1,
+                                config.parallel.grad_bucket_elements,
+                                **({} if self.pipeline is None else self.pipeline.buffer_layout()))
+        self.optimizer = build_optimizer(self.model, buffers, config.optim)
         self.compiled = compile_model(self.model, config.train.compile, config.train.precision)
         self.ema = None if config.optim.ema_decay is None else ParameterEMA(
-            master_weights(self.model, self.optimizer), config.optim.ema_decay)
-        self.grads = GradientSync(self.model, topology,
-                                  () if self.pipeline is None else self.pipeline.replicas.norm_duplicates)
+            self.optimizer.master_weights(), config.optim.ema_decay)
+        self.grads = GradientSync(buffers, topology)
         dp_size, dp_rank = (1, 0) if topology is None else (topology.dp, topology.dp_rank)
         self.sampler = BatchSampler(self.train_data, config.train.global_batch_size, config.train.micro_batch_size,
                                     dp_size, dp_rank)
@@ -258,7 +257,7 @@ class Trainer:
 
     def ema_state(self) -> dict[str, torch.Tensor] | None:
         """This rank's EMA tensors keyed as the checkpoint holds them (experts split per expert), or None."""
-        return None if self.ema is None else split_experts(self.model, self.ema.average)
+        return None if self.ema is None else piece_state(self.model, self.optimizer.pieces, self.ema.average)
 
     def _note_moment_conversion(self, path: Path) -> None:
         """One line when the checkpoint's Adam moments have another dtype than `optim.moment_dtype`: loading
@@ -289,7 +288,7 @@ class Trainer:
         """Whether every weight, buffer, fp32 main parameter, optimizer state and EMA tensor of the whole
         job is finite: one all-reduce and one host read, made before each save."""
         tensors = [*self.model.parameters(), *self.model.buffers(),
-                   *master_weights(self.model, self.optimizer).values(),
+                   *self.optimizer.master_weights().values(),
                    *(v for state in self.optimizer.state.values() for v in state.values()
                      if isinstance(v, torch.Tensor) and v.is_floating_point())]
         finite = torch.stack([t.isfinite().all() for t in tensors]).all()
@@ -454,6 +453,11 @@ class Trainer:
         self.model.train()
         self.logger.info(f"training {cfg.train.steps} steps from step {self.step} on {self.device} "
                          f"({cfg.train.precision}); logs in {self.run_dir}")
+        exchange = self.grads.buffers.bytes_per_step()
+        if exchange:
+            sent = ", ".join(f"{kind.replace('_', '-')} {size / 2 ** 20:.2f} MiB" for kind, size in exchange.items())
+            self.logger.info(f"data-parallel exchange: {len(self.grads.buffers.buckets)} buckets; rank 0 sends {sent} "
+                             f"per step ({sum(exchange.values()) / 2 ** 20:.2f} MiB)")
         step_times: list[float] = []
         pending: list[dict[str, torch.Tensor | float]] = []
         start = time.perf_counter()

@@ -4,25 +4,23 @@ Each rank's loss is the mean over its own micro-batches, so the global loss is t
 dp ranks of a stage. Dense gradients are therefore averaged over dp. An expert's gradient already
 sums the contributions of every rank of its EP group (they flow back through combine/dispatch),
 so expert gradients are summed over the expert-data-parallel replicas and divided by dp.
-Without a topology (one process) every operation is the identity. Gradients are read through
-`parallel.mixed_precision` (fp32 `.grad`, or the fp32 main grads of bf16 parameters).
 
-A reduction can also start piece by piece (`launch`, as the pipeline does once a parameter's
-gradient is final) and be completed with `finish` before the optimizer step: each `launch` is one
-asynchronous all-reduce per group over the flattened gradients it names, so the element-wise sums
-are those of the one-shot `reduce` (every rank must launch the same pieces in the same order).
+The gradients live in the buckets of `parallel.grad_buffers` (`build_buffers` groups a model's
+parameters by replica group). A bucket's reduction starts as soon as every gradient in it is final
+(`launch`, called by the pipeline as the step goes, in an order every member of the group shares)
+and `finish` completes them before the optimizer step: with ZeRO-1 a reduce-scatter, each rank
+then holding the sum of the range it owns, else an all-reduce. The norm and clipping read only the
+owned ranges, each element counted once in the job.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.mixed_precision import current_grad, grad_buffer
+from parallel.grad_buffers import DEFAULT_BUCKET_ELEMENTS, LOCAL, Bucket, ParamBuffers, ReplicaGroup
 from parallel.topology import Topology
 
 EXPERT_MARKER = ".experts."
@@ -33,77 +31,81 @@ def is_expert_parameter(name: str) -> bool:
     return EXPERT_MARKER in name
 
 
-@dataclass
-class _InFlight:
-    """One launched all-reduce: the flat buffer it reduces and the gradients it goes back into."""
-
-    work: dist.Work
-    flat: torch.Tensor
-    grads: list[torch.Tensor]
-    scale: float
+def build_buffers(model: nn.Module, topology: Topology | None, dtype: torch.dtype, shard: bool,
+                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, order: Optional[Callable[[nn.Parameter], int]] = None,
+                  replicated: Sequence[nn.Parameter] = (), replica_groups: tuple[Optional[dist.ProcessGroup], ...] = (None, None)
+                  ) -> ParamBuffers:
+    """`model`'s trainable parameters in buckets (parallel.grad_buffers), in `dtype`: dense ones over dp,
+    routed experts over expert-dp, and `replicated` (held by another pipeline rank too, in their
+    canonical order) over `replica_groups` (dense, expert: pair x dp, pair x expert-dp). `order` sorts
+    the others by when their gradient becomes final (default: the model's order). Without a topology
+    every group is this process alone."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if order is not None:
+        named.sort(key=lambda item: order(item[1]))
+    position = {id(p): i for i, p in enumerate(replicated)}
+    names = {id(p): n for n, p in named}
+    replicas = [(names[id(p)], p) for p in replicated]
+    others = [(n, p) for n, p in named if id(p) not in position]
+    dp, expert_dp, pair_dense, pair_expert = ((LOCAL,) * 4 if topology is None else
+                                              (ReplicaGroup.of(topology.dp_group), ReplicaGroup.of(topology.expert_dp_group),
+                                               *(ReplicaGroup.of(g) if g is not None else LOCAL for g in replica_groups)))
+    groups = [([(n, p) for n, p in others if not is_expert_parameter(n)], dp),
+              ([(n, p) for n, p in others if is_expert_parameter(n)], expert_dp),
+              ([(n, p) for n, p in replicas if not is_expert_parameter(n)], pair_dense),
+              ([(n, p) for n, p in replicas if is_expert_parameter(n)], pair_expert)]
+    return ParamBuffers([(params, group) for params, group in groups if params], dtype, shard, bucket_elements)
 
 
 class GradientSync:
-    """Gradient reduction, global gradient norm/clipping and expert-load reduction for one model."""
+    """Gradient reduction, global gradient norm/clipping and expert-load reduction for one model's buffers."""
 
-    def __init__(self, model: nn.Module, topology: Topology | None,
-                 norm_duplicates: Iterable[nn.Parameter] = ()) -> None:
-        """`norm_duplicates`: parameters another pipeline rank also holds and counts in the norm."""
-        self.topology = topology
-        self.norm_duplicates = {id(p) for p in norm_duplicates}
-        self.dense, self.expert = [], []
-        for name, param in model.named_parameters():
-            (self.expert if is_expert_parameter(name) else self.dense).append(param)
-        self.expert_ids = {id(p) for p in self.expert}
-        self.in_flight: list[_InFlight] = []
+    def __init__(self, buffers: ParamBuffers, topology: Topology | None) -> None:
+        self.buffers, self.topology = buffers, topology
+        self.scale = 1.0 if topology is None else 1.0 / topology.dp
+        self._index = {id(b): i for i, b in enumerate(buffers.buckets)}
+        self._pending: dict[int, int] = {}
+        self._reset()
 
-    def _start(self, params: list[nn.Parameter], group: dist.ProcessGroup, scale: float) -> None:
-        if not params:
-            return
-        grads = [grad_buffer(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        self.in_flight.append(_InFlight(dist.all_reduce(flat, group=group, async_op=True), flat, grads, scale))
+    def _reset(self) -> None:
+        self._pending = {id(b): len(b.params) for b in self.buffers.buckets}
 
-    def launch(self, params: Iterable[nn.Parameter], dense_group: Optional[dist.ProcessGroup] = None,
-               expert_group: Optional[dist.ProcessGroup] = None) -> None:
-        """Start reducing the gradients of `params` (final from now on): dense ones over dp, expert
-        ones over expert-dp, asynchronously; `finish` completes them. Other groups may stand in
-        for dp and expert-dp (pipeline replicas: their pair x dp), the scale staying 1/dp."""
-        topo = self.topology
-        if topo is None:
-            return
-        params = list(params)
-        dense_group = topo.dp_group if dense_group is None else dense_group
-        expert_group = topo.expert_dp_group if expert_group is None else expert_group
-        self._start([p for p in params if id(p) not in self.expert_ids], dense_group, 1.0 / topo.dp)
-        self._start([p for p in params if id(p) in self.expert_ids], expert_group, 1.0 / topo.dp)
+    def _start(self, bucket: Bucket) -> None:
+        self.buffers.count(bucket.start_reduction())
+
+    def launch(self, params: Iterable[nn.Parameter]) -> None:
+        """Record that the gradients of `params` are final; start the reduction of each bucket now
+        complete (in bucket order, so every member of a group starts the same collectives in order)."""
+        complete = []
+        for param in params:
+            bucket = self.buffers.bucket_of[id(param)]
+            self._pending[id(bucket)] -= 1
+            if self._pending[id(bucket)] == 0:
+                complete.append(bucket)
+        for bucket in sorted(complete, key=lambda b: self._index[id(b)]):
+            self._start(bucket)
 
     def finish(self) -> None:
-        """Wait for every launched reduction and write the averaged gradients back."""
-        for item in self.in_flight:
-            item.work.wait()
-            item.flat.mul_(item.scale)
-            for grad, reduced in zip(item.grads, _unflatten_dense_tensors(item.flat, item.grads)):
-                grad.copy_(reduced)
-        self.in_flight = []
+        """Start what is not started yet (in bucket order), wait for every reduction and average the
+        owned gradients over dp."""
+        for bucket in self.buffers.buckets:
+            if not bucket.started:
+                self._start(bucket)
+        for bucket in self.buffers.buckets:
+            bucket.finish_reduction(self.scale)
+        self._reset()
 
     def reduce(self) -> None:
         """The whole model's reduction at once (after the backward)."""
-        self.launch(self.dense)
-        self.launch(self.expert)
         self.finish()
 
     def global_norm(self) -> torch.Tensor:
-        """L2 norm of the full model's reduced gradient, each replicated tensor counted once."""
-        dense, expert = ([g for g in (current_grad(p) for p in params if id(p) not in self.norm_duplicates)
-                          if g is not None] for params in (self.dense, self.expert))
-        squares = torch.zeros((), dtype=torch.float32, device=(self.dense + self.expert)[0].device)
-        topo = self.topology
-        if topo is None or topo.dp_rank == 0:
-            squares = squares + sum(g.float().pow(2).sum() for g in dense)
-        if topo is None or topo.expert_dp_rank == 0:
-            squares = squares + sum(g.float().pow(2).sum() for g in expert)
-        if topo is not None:
+        """L2 norm of the full model's reduced gradient, each element counted once in the job."""
+        buckets = [b for b in self.buffers.buckets if b.counts_in_norm()]
+        squares = torch.zeros((), dtype=torch.float32, device=self.buffers.buckets[0].grad.device)
+        for bucket in buckets:
+            squares = squares + bucket.grad[bucket.owned.start:bucket.owned.stop].pow(2).sum()
+        if self.topology is not None:
             dist.all_reduce(squares)
         return squares.sqrt()
 
@@ -113,9 +115,8 @@ class GradientSync:
         total = self.global_norm()
         if max_norm and max_norm > 0:
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            for grad in map(current_grad, self.dense + self.expert):
-                if grad is not None:
-                    grad.mul_(coef)
+            for bucket in self.buffers.buckets:
+                bucket.grad[bucket.owned.start:bucket.owned.stop].mul_(coef)
         return total
 
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,31 @@
 """Megatron-style mixed precision: bf16 parameters, fp32 main gradients, fp32 main parameters.
 
-`train.precision=bf16` casts every parameter of the model to bf16 (Megatron's Float16Module; buffers
+`train.precision=bf16` keeps every parameter of the model in bf16 (Megatron's Float16Module; buffers
 such as the router biases stay fp32), so a forward makes no weight copies and the residual stream is
-bf16. Three fp32 tensors stand behind a bf16 parameter:
+bf16. Three fp32 tensors stand behind a parameter, each a view of a data-parallel bucket
+(parallel.grad_buffers):
 
-- `main_grad`, on every rank: the weight gradients of all micro-batches accumulate into it
-  (`accumulate_grad`, called by autograd's post-accumulate hook and by the pipeline's deferred W);
-  the gradient reduction, the norm and clipping read it through `grad_buffer`.
-- the main parameter, only where the optimizer steps the tensor (with ZeRO-1: on its owner): an
-  fp32 copy whose `.grad` is the main grad, so any AdamW-like optimizer steps plain fp32 tensors
-  (`MainParamOptimizer`); the owner then rounds it into the bf16 parameter.
+- `main_grad`, on every rank and in both precisions: the weight gradients of all micro-batches
+  accumulate into it (`accumulate_grad`, called by autograd's post-accumulate hook and by the
+  pipeline's deferred W); the gradient exchange reduces it in place.
+- the main parameter, only for the range of the parameter this rank's optimizer steps (its ZeRO-1
+  piece, `param.main_piece`): for a bf16 parameter an fp32 copy of that range, rounded into the
+  parameter after each step; an fp32 parameter is its own main parameter.
 - checkpoints hold the main parameters (`checkpoint_values`), so a resume is exact.
 
-An fp32 model has none of them: its parameters are their own main parameters and `.grad` their
-main gradients, so fp32 runs are what they were.
+A model that was never put into buckets (benchmarks, generation) has plain `.grad`s: the
+accessors below fall back to them.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-PARAM_DTYPE = torch.bfloat16
+from parallel.flat_range import FlatRange
 
-
-def main_param(param: nn.Parameter) -> torch.Tensor:
-    """The fp32 tensor the optimizer steps for `param`: its main parameter, or `param` itself (fp32 model)."""
-    return getattr(param, "main_param", param)
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def has_main_grad(param: nn.Parameter) -> bool:
@@ -75,78 +73,44 @@ def _fold_into_main_grad(param: nn.Parameter) -> None:
         param.grad = None
 
 
-def use_bf16_parameters(model: nn.Module) -> None:
-    """Cast every parameter of `model` to bf16 in place (the same Parameter objects, so optimizer
-    references hold) and give each an fp32 `main_grad` that autograd's gradients fold into."""
-    for param in model.parameters():
-        param.data = param.data.to(PARAM_DTYPE)
-        if param.requires_grad:
-            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
-            param.register_post_accumulate_grad_hook(_fold_into_main_grad)
+def attach_main_grad(param: nn.Parameter, main_grad: torch.Tensor) -> None:
+    """Make `main_grad` (fp32, `param`'s shape) the gradient buffer that autograd's gradients fold into."""
+    if not hasattr(param, "main_grad"):
+        param.register_post_accumulate_grad_hook(_fold_into_main_grad)
+    param.main_grad = main_grad
 
 
-class MainParamOptimizer:
-    """Steps fp32 main copies of the parameters in `param_groups` with the optimizer `make_optimizer`
-    builds on them (their `.grad` is each parameter's main grad), then rounds them into the parameters.
-
-    Built while the parameters are still fp32 (before `use_bf16_parameters`), so the main parameters
-    start from the exact initial values. `param_groups` and `state` are the inner optimizer's.
-    """
-
-    def __init__(self, param_groups: list[dict], make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]) -> None:
-        self.params: list[nn.Parameter] = [p for group in param_groups for p in group["params"]]
-        for param in self.params:
-            param.main_param = param.detach().to(torch.float32, copy=True)
-        self.inner = make_optimizer([{**group, "params": [p.main_param for p in group["params"]]}
-                                     for group in param_groups])
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.inner.state
-
-    @property
-    def found_inf(self) -> torch.Tensor | None:
-        return getattr(self.inner, "found_inf", None)
-
-    @found_inf.setter
-    def found_inf(self, value: torch.Tensor | None) -> None:
-        self.inner.found_inf = value
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for param in self.params:
-            param.main_param.grad = grad_buffer(param)
-        self.inner.step()
-        for param in self.params:
-            param.main_param.grad = None
-            param.data.copy_(param.main_param)
+def is_low_precision(param: nn.Parameter) -> bool:
+    """A parameter whose fp32 main value lives beside it (bf16 training)."""
+    return param.dtype != torch.float32 and has_main_grad(param)
 
 
 def checkpoint_values(model: nn.Module, loading: bool) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` with each bf16 parameter's value in fp32: its main parameter where this
-    rank has one; elsewhere, when `loading`, a fresh fp32 tensor (`set_parameters` copies it in), and
-    when saving nothing (the owner rank writes the key). An fp32 model's state dict as it is."""
+    """`model.state_dict()` with each bf16 parameter's value in fp32: when saving, the range of its main
+    parameter this rank owns (a `FlatRange`; nothing where it owns none, other ranks write the rest);
+    when `loading`, a fresh fp32 tensor of the whole parameter (`set_parameters` copies it in). An fp32
+    model's state dict as it is."""
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         param = params.get(name)
-        if param is None or not has_main_grad(param):
+        if param is None or not is_low_precision(param):
             out[name] = tensor
-        elif hasattr(param, "main_param"):
-            out[name] = param.main_param
         elif loading:
             out[name] = torch.empty_like(param, dtype=torch.float32)
+        elif hasattr(param, "main_piece"):
+            piece = param.main_piece
+            out[name] = FlatRange(param.shape, piece.start, piece.main)
     return out
 
 
 @torch.no_grad()
 def set_parameters(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """After a load into `checkpoint_values(model, loading=True)`: round the fp32 values into the bf16
-    parameters (the main parameters were loaded in place)."""
+    parameters and copy the owned range of each into its main parameter."""
     for name, param in model.named_parameters(remove_duplicate=False):
-        if has_main_grad(param) and name in values:
+        if is_low_precision(param) and name in values:
             param.copy_(values[name])
+            piece = getattr(param, "main_piece", None)
+            if piece is not None:
+                piece.main.copy_(values[name].reshape(-1)[piece.start:piece.stop])

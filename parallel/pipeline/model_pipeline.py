@@ -2,10 +2,11 @@
 
 Builds the validated plan, cuts the model into stages, keeps this rank's model (its stages' parts), the W store,
 the runtime and the replica sums together, and runs one step's micro-batches. Given the trainer's
-`GradientSync`, a step also starts the data-parallel reduction of each parameter as soon as its
-gradient is final (`grad_ready`); parameters another pipeline rank also holds (tied embedding,
-DualPipe mirrors) too, over their pair x dp in the canonical order of `replicas` (without `sync`,
-they are only summed over their pair, after the step).
+`GradientSync`, a step also starts the data-parallel reduction of each bucket as soon as every
+gradient in it is final (`grad_ready`); `buffer_layout` lays the buckets out in that order, and the
+parameters another pipeline rank also holds (tied embedding, DualPipe mirrors) in buckets of their
+own over their pair x dp, in the canonical order of `replicas` (without `sync`, they are only
+summed over their pair, after the step).
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ class ModelPipeline:
             self.replicas.order_by_release([release_positions(lowered.programs[r], stage_params, split)
                                             for r in self.replicas.pair])
 
+    def buffer_layout(self) -> dict:
+        """`parallel.data_parallel.build_buffers`'s arguments for this rank: parameters ordered by when
+        their gradient becomes final in the current program, the replicated ones with their groups."""
+        stage_params = {s: stage.parameters() for s, stage in self.stages.items()}
+        position = release_positions(self.lowered.programs[self.topology.pp_rank], stage_params,
+                                     split_weights([self.model]))
+        return {"order": lambda param: position[id(param)], "replicated": self.replicas.params,
+                "replica_groups": (self.replicas.dense_group, self.replicas.expert_group)}
+
     def switch_schedule(self, lowered: LoweredSchedule) -> None:
         """Another schedule over the same stages and micro-batches (zb-auto after its measured warm-up)."""
         old = self.lowered.schedule
@@ -104,8 +114,7 @@ class ModelPipeline:
         if not ready or self._sync is None:
             return
         self._sync.launch([p for p in ready if id(p) not in self._replicated])
-        for param in self.replicas.release(p for p in ready if id(p) in self._replicated):
-            self._sync.launch([param], self.replicas.dense_group, self.replicas.expert_group)
+        self._sync.launch(self.replicas.release(p for p in ready if id(p) in self._replicated))
 
     def step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
              sync: Optional[GradientSync] = None, mtp_loss_scale: Optional[float] = None) -> torch.Tensor:

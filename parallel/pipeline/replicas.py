@@ -1,4 +1,4 @@
-"""Parameters held by two pipeline ranks: their gradients are summed, and counted once in norms.
+"""Parameters held by two pipeline ranks: their gradients are summed over the pair.
 
 - Tied embedding (loop placements with MTP): the last stage keeps a replica of the first stage's
   embedding for the MTP; the two ranks form an embedding group, as in Megatron.
@@ -9,12 +9,13 @@ V placements need neither: both model ends are on pipeline rank 0 and share one 
 sum both replicas hold the same gradient and take the same optimizer step, so they stay equal.
 
 With data parallelism the copies of a replicated parameter sit on the pair x its dp (expert: its
-expert-dp) replicas; one all-reduce over that combined group, scaled 1/dp by `GradientSync`, is
-both the pair sum and the dp average, so it can start as soon as the gradient is final, like the
-others. The two pair members finish their copies at different points of different programs, so
-the parameters are released in one canonical order instead: a parameter goes once it and every
-earlier one are final here, one collective each, and both members issue the same collectives in
-the same order, each as early as it can. The order is the model's, or for DualPipe (every
+expert-dp) replicas: that combined group is their replica group in the data-parallel buckets
+(parallel.grad_buffers), so one reduction over it, scaled 1/dp by `GradientSync`, is both the pair
+sum and the dp average, ZeRO-1 shards them over it (each element counted once in the norm), and it
+can start as soon as the gradients are final, like the others. The two pair members finish their
+copies at different points of different programs, so the parameters are released in one canonical
+order instead, the order of their buckets: a parameter goes once it and every earlier one are final
+here, so both members complete the same buckets in the same order, each as early as it can. The order is the model's, or for DualPipe (every
 parameter replicated) the one `order_by_release` derives from both members' programs.
 """
 from __future__ import annotations
@@ -69,7 +70,6 @@ class PipelineReplicas:
         self.dense_group: Optional[dist.ProcessGroup] = None
         self.expert_group: Optional[dist.ProcessGroup] = None
         self.params: list[nn.Parameter] = []
-        self.norm_duplicates: list[nn.Parameter] = []
         mine = next((pair for pair in pairs if pp_rank in pair), None)
         self.pair: Optional[tuple[int, int]] = mine
         timeout = timedelta(seconds=timeout_s)
@@ -94,8 +94,6 @@ class PipelineReplicas:
             return
         named = dict(model.named_parameters())
         self.params = list(named.values()) if mirror else [named[EMBEDDING]]
-        if pp_rank == mine[1]:
-            self.norm_duplicates = list(self.params)
 
     def order_by_release(self, positions: list[dict[int, int]]) -> None:
         """Release the parameters in `release_order` instead of the model's order."""

@@ -2,11 +2,11 @@
 starts during the step, validation through the pipeline, and bf16.
 
 - Overlapped reduction: one global batch runs through the pipeline twice on the same parameters,
-  once reducing each parameter as soon as its gradient is final and once with the end-of-step
-  reduction; with dp 2 the two must agree bit for bit (a sum of two numbers has one rounding).
-  Replicated parameters (the loop's tied embedding, DualPipe's mirrors) are summed over pair x dp
-  by one all-reduce of four numbers instead of a pair sum then a dp sum, so another association:
-  fp32 tolerance for those. Every parameter is launched exactly once.
+  once reducing each bucket (small ones here) as soon as its gradients are final and once starting
+  every bucket's reduction at the end of the step: the reduced ranges agree bit for bit, the
+  replicated parameters' (the loop's tied embedding, DualPipe's mirrors, reduced over pair x dp)
+  included. Every parameter is launched and every bucket started exactly once, several of them
+  during the step, the pair's buckets in the same order.
 - Validation: `Trainer.evaluate` with pp 2 x dp 2 equals the single-process evaluation.
 - bf16: pp 2 with bf16 parameters (zb-h1: split W) follows the single-process bf16 run. The first
   step's loss comes from the same bf16 parameters and the same bf16 forward, so it agrees to rel
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from moe_train.train import Trainer, read_metrics
+from parallel.data_parallel import is_expert_parameter
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
 
@@ -44,31 +45,40 @@ def _close(topology, trainer) -> None:
 
 
 def overlapped_vs_end_of_step(ep: int, schedule: str, cache_dir: str, run_dir: str) -> dict:
-    topology, trainer = _trainer(2, ep, schedule, cache_dir, run_dir)
+    topology, trainer = _trainer(2, ep, schedule, cache_dir, run_dir, f"parallel.grad_bucket_elements={BUCKET}")
     try:
         pipeline, sync = trainer.pipeline, trainer.grads
+        buckets = sync.buffers.buckets
         rows = trainer.sampler.next_batch()
         batches = [(r[:, :-1], r[:, 1:]) for r in rows]
         scale = 1.0 / len(batches)
         names = {id(p): name for name, p in trainer.model.named_parameters()}
-        launches = []
-        launch = sync.launch
-        sync.launch = lambda params, *groups: launches.append([names[id(p)] for p in params]) or launch(params, *groups)
+        launches, started, before_finish = [], [], []
+        launch, start, finish = sync.launch, sync._start, sync.finish
+        sync.launch = lambda params: launches.append([names[id(p)] for p in params]) or launch(params)
+        sync._start = lambda bucket: started.append(buckets.index(bucket)) or start(bucket)
+        sync.finish = lambda: before_finish.append(len(started)) or finish()
+        pipeline.step(batches, scale, sync=sync)
+        del sync.launch, sync._start, sync.finish
+
+        def owned() -> dict[str, torch.Tensor]:  # the reduced range of each gradient (ZeRO-1: this rank's)
+            return {piece.name: piece.grad.clone() for piece in trainer.optimizer.pieces}
+
+        grads = {True: owned()}
+        sync.launch = lambda params: None  # every bucket starts in `finish`, at the end of the step
         pipeline.step(batches, scale, sync=sync)
         del sync.launch
-        grads = {True: {name: p.grad.clone() for name, p in trainer.model.named_parameters()}}
-        pipeline.step(batches, scale)
-        sync.reduce()
-        grads[False] = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+        grads[False] = owned()
         replicated = [names[id(p)] for p in pipeline.replicas.params]
-        differing = [name for name, grad in grads[True].items()
-                     if name not in replicated and not torch.equal(grad, grads[False][name])]
-        for name in replicated:
-            torch.testing.assert_close(grads[True][name], grads[False][name], msg=name)
+        differing = [name for name, grad in grads[True].items() if not torch.equal(grad, grads[False][name])]
         return {"differing": differing, "launches": [names for names in launches if names],
-                "params": list(grads[True]), "replicated": replicated}
+                "params": list(names.values()), "replicated": replicated, "started": started,
+                "before_finish": before_finish[0], "layout": [[names[id(p)] for p in b.params] for b in buckets]}
     finally:
         _close(topology, trainer)
+
+
+BUCKET = 20_000  # elements: the tiny model's stages fill several buckets
 
 
 @pytest.mark.parametrize("schedule, ep", [("zbv", 1), ("zb-h1", 2), ("dualpipe", 1), ("dualpipev", 1)])
@@ -76,14 +86,23 @@ def test_overlapped_reduction_equals_end_of_step(pools, corpus_cache, tmp_path, 
     results = pools.get(4).run(overlapped_vs_end_of_step, ep, schedule, corpus_cache, str(tmp_path), deadline_s=120)
     for rank, result in enumerate(results):
         assert result["differing"] == [], rank
-        launches, params, replicated = result["launches"], result["params"], result["replicated"]
+        launches, params, replicated, layout = result["launches"], result["params"], result["replicated"], result["layout"]
+        print(f"rank {rank}: {len(layout)} buckets, {result['before_finish']} started during the step")
         launched = [name for names in launches for name in names]
         assert sorted(launched) == sorted(params), rank  # each parameter once
-        assert len(launches) >= 3, rank  # piece by piece while the step ran
-        # replicated parameters alone in their launch, in the pair's common order
-        assert [names for names in launches if set(names) & set(replicated)] == [[name] for name in replicated], rank
+        assert sorted(result["started"]) == list(range(len(layout))), rank  # each bucket once
+        assert result["before_finish"] >= 3, rank  # bucket by bucket while the step ran
+        # replicated parameters launched in the pair's common order, never with others, and their
+        # buckets started in bucket order (the same collectives in the same order on both members)
+        assert [n for names in launches if set(names) & set(replicated) for n in names] == replicated, rank
+        assert all(set(names) <= set(replicated) for names in launches if set(names) & set(replicated)), rank
+        for expert in (False, True):  # one replica group each: pair x dp, pair x expert-dp
+            pair_buckets = [i for i, names in enumerate(layout)
+                            if set(names) & set(replicated) and is_expert_parameter(names[0]) == expert]
+            assert [i for i in result["started"] if i in pair_buckets] == pair_buckets, rank
         if schedule == "dualpipe":  # mirror replicas: every parameter is replicated
             assert sorted(replicated) == sorted(params) and replicated != params, rank  # reordered
+            assert layout == results[3 - rank]["layout"], rank  # the pair's buckets are the same
         elif schedule == "zb-h1":  # loop placement: the MTP's tied embedding
             assert replicated == ["embed_tokens.weight"], rank
         else:  # V placements: both ends on one rank, nothing replicated

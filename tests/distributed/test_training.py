@@ -17,6 +17,7 @@ from moe_train.plan_traffic import communication_buffer_bytes
 from moe_train.schedules import learning_rate
 from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter
+from parallel.flat_range import FlatRange
 from parallel.mixed_precision import current_grad
 from parallel.sharded_state import model_state
 from parallel.topology import build_topology
@@ -54,13 +55,14 @@ def compare_with_single_process(ep: int, gpus_per_node: int, zero1: bool, cache_
             worst["loss"] = max(worst["loss"], max(abs(losses[k] - ref_losses[k]) / abs(ref_losses[k])
                                                    for k in ("loss", "lm_loss", "mtp_loss")))
             ref_params = dict(reference.model.named_parameters())
-            for name, param in trainer.model.named_parameters():
+            for piece in trainer.optimizer.pieces:  # the range of each gradient this rank reduced (ZeRO-1: owns)
+                name = piece.name
                 expected = current_grad(ref_params[name])
                 if is_expert_parameter(name):
                     start = first_expert[name.split(".experts.")[0]]
-                    expected = expected[start:start + param.shape[0]]
+                    expected = expected[start:start + piece.param.shape[0]]
                 scale = expected.abs().max().item() + 1e-12
-                error = (current_grad(param) - expected).abs().max().item() / scale
+                error = (piece.grad - expected.reshape(-1)[piece.start:piece.stop]).abs().max().item() / scale
                 worst["grad"] = max(worst["grad"], error)
                 if step == 0:
                     key = "first_grad_expert" if is_expert_parameter(name) else "first_grad_dense"
@@ -126,12 +128,19 @@ def test_dp_ep_training_equals_single_process(pools, corpus_cache, tmp_path, wor
 
 
 def test_zero1_with_bf16_moments_equals_single_process(pools, corpus_cache, tmp_path):
-    """ZeRO-1 over dp 2 (dense tensors over dp, experts over expert-dp), each owner stepping bf16 moments."""
+    """ZeRO-1 over dp 2 (dense tensors over dp, experts over expert-dp), each owner stepping bf16 moments.
+
+    The first step's gradients agree to their summation order (1e-6). A gradient that differs in its last
+    bits can round a bf16 moment the other way, which moves that element's update by up to 2^-8 of it:
+    the parameters stay within the fp32 layouts' 4e-5, and the later gradients, computed from them, as
+    far (measured: 1.2e-5 after two steps)."""
     results = pools.get(2).run(compare_with_single_process, 1, 1, True, corpus_cache, str(tmp_path / "run"),
                                shared=("optim.moment_dtype=bf16",), deadline_s=300)
     for rank, worst in enumerate(results):
         assert worst["moment_dtypes"] == {"torch.bfloat16"}, (rank, worst)
-        assert worst["loss"] < 1e-5 and worst["grad"] < 1e-5 and worst["grad_norm"] < 1e-5, (rank, worst)
+        print(f"rank {rank}: {worst}")
+        assert worst["first_grad_dense"] < 1e-6 and worst["first_grad_expert"] < 1e-6, (rank, worst)
+        assert worst["loss"] < 1e-5 and worst["grad"] < 4e-5 and worst["grad_norm"] < 1e-5, (rank, worst)
         assert worst["param"] < 4e-5, (rank, worst)
 
 
@@ -145,18 +154,22 @@ def test_bf16_zero1_dp2_ep2_equals_single_process(pools, corpus_cache, tmp_path)
     the bf16 parameters differ where the fp32 main parameters round apart, and AdamW's first steps
     move an element by about lr whatever its gradient's size, so an element with a near-zero gradient
     may step the other way: parameters within 2 lr per step plus a bf16 ulp of a norm weight (2^-7).
+    Parameters that far apart can send a token to another expert, which turns that expert's sign-based
+    bias update around (a difference of 2 x the update rate) and moves the last step's gradient norm
+    by 2.1e-4 (measured, with the former all-reduce exchange too); the losses stay within 1.1e-5.
     """
     results = pools.get(2).run(compare_with_single_process, 2, 1, True, corpus_cache, str(tmp_path / "run"),
                                precision="bf16", deadline_s=300)
     optim = tiny_config(corpus_cache, str(tmp_path)).optim
     param_bound = 2 * sum(learning_rate(step, optim, 3) for step in range(3)) + 2 ** -7
+    rate = tiny_config(corpus_cache, str(tmp_path)).model.moe_router_bias_update_rate
     for rank, worst in enumerate(results):
         print(f"rank {rank}: {worst}")
         assert worst["first_grad_dense"] < 1e-6, (rank, worst)
         assert worst["first_grad_expert"] < 2 ** -8, (rank, worst)
-        assert worst["loss"] < 1e-4 and worst["grad_norm"] < 1e-4, (rank, worst)
+        assert worst["loss"] < 1e-4 and worst["grad_norm"] < 1e-3, (rank, worst)
         assert worst["param"] < param_bound, (rank, worst)
-        assert worst["moved_bias"] > 0 and worst["bias"] < 1e-7, (rank, worst)
+        assert worst["moved_bias"] > 0 and worst["bias"] <= 2 * rate + 1e-7, (rank, worst)
 
 
 @pytest.mark.parametrize("ep, gpus_per_node", [(4, 2), (4, 4)], ids=["2x2", "1x4"])
@@ -174,6 +187,25 @@ def test_native_counts_the_bytes_hierarchical_counts(pools, kernels_cpu, corpus_
         assert native["buffer_bytes"] == planned > 0, rank  # the planner's buffers column
 
 
+def owned_ranges(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor]]:
+    """A rank's checkpoint entries as (first element, the values it holds, flat): a `FlatRange`'s range,
+    or a whole tensor."""
+    return {key: (t.start, t.values.clone()) if isinstance(t, FlatRange) else (0, t.detach().flatten().clone())
+            for key, t in state.items()}
+
+
+def assert_each_element_once(ranks: list[dict[str, tuple[int, torch.Tensor]]], shapes: dict[str, torch.Size]) -> None:
+    """The ranks' ranges of each key in `shapes` cover its elements exactly once, and no other key is held."""
+    for key, shape in shapes.items():
+        covered = torch.zeros(shape.numel(), dtype=torch.int64)
+        for held in ranks:
+            if key in held:
+                start, values = held[key]
+                covered[start:start + values.numel()] += 1
+        assert bool((covered == 1).all()), key
+    assert {key for held in ranks for key in held} == set(shapes)
+
+
 def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_dir: str,
                    decay: float) -> tuple[list[float], dict]:
     """Train `steps` steps with this layout from the checkpoint in run_dir (if any), then save; returns the
@@ -188,7 +220,7 @@ def train_and_save(ep: int, gpus_per_node: int, steps: int, cache_dir: str, run_
         losses = [m["loss"] for m in read_metrics([trainer.train_step() for _ in range(steps)])]
         trainer.save()
         trainer.ema.close()
-        return losses, trainer.ema_state()
+        return losses, owned_ranges(trainer.ema_state())
     finally:
         topology.destroy_groups()
         dist.barrier()
@@ -207,14 +239,15 @@ def test_checkpoint_resumes_with_another_layout(pools, corpus_cache, tmp_path, f
     for _ in range(2):
         expected += [m["loss"] for m in read_metrics([reference.train_step() for _ in range(2)])]
         reference.ema.wait()
-        expected_ema.append({k: v.clone() for k, v in reference.ema_state().items()})
+        # one process owns every whole tensor
+        expected_ema.append({k: v.values.clone().view(v.shape) for k, v in reference.ema_state().items()})
     losses = []
     for (world, ep, per_node), want in zip((first, second), expected_ema):
         results = pools.get(world).run(train_and_save, ep, per_node, 2, corpus_cache, run_dir, decay, deadline_s=300)
         losses += results[0][0]
-        keys = [key for _, ema in results for key in ema]
-        assert sorted(keys) == sorted(want), "each parameter's EMA is kept by one rank"
-        worst = max((ema[k] - want[k]).abs().max().item() for _, ema in results for k in ema)
+        assert_each_element_once([ema for _, ema in results], {k: v.shape for k, v in want.items()})
+        worst = max((values - want[k].flatten()[start:start + values.numel()]).abs().max().item()
+                    for _, ema in results for k, (start, values) in ema.items())
         lag = max((want[k] - v).abs().max().item() for k, v in model_state(reference.model).items() if k in want)
         print(f"{world} processes, ep {ep}: max |EMA - single-process EMA| = {worst:.3g}, EMA - weights {lag:.3g}")
         assert worst < 4e-5 < lag / 10
@@ -236,7 +269,7 @@ def bf16_train(cache_dir: str, run_dir: str, steps: int, save_after: int | None)
             losses += [m["loss"] for m in read_metrics([trainer.train_step()])]
             if step + 1 == save_after:
                 trainer.save()
-                saved = {k: v.clone() for k, v in model_state(trainer.model).items()}
+                saved = owned_ranges(model_state(trainer.model))
         return start, losses, saved
     finally:
         topology.destroy_groups()
@@ -244,20 +277,73 @@ def bf16_train(cache_dir: str, run_dir: str, steps: int, save_after: int | None)
 
 
 def test_bf16_zero1_checkpoint_resumes_bit_exactly_and_on_one_process(pools, corpus_cache, tmp_path):
-    """Each ZeRO-1 rank saves the fp32 main parameters of the tensors it owns: resuming on the same layout
-    continues bit for bit, and one process loads the union, every key, equal to the owners' main params."""
+    """Each ZeRO-1 rank saves the fp32 main parameters of the ranges it owns: resuming on the same layout
+    continues bit for bit, and one process loads the union, every element, equal to the owners' main params."""
     run_dir = str(tmp_path / "run")
     first = pools.get(2).run(bf16_train, corpus_cache, run_dir, 4, 2)
     resumed = pools.get(2).run(bf16_train, corpus_cache, run_dir, 2, None)
     for rank in range(2):
         assert resumed[rank][0] == 2 and resumed[rank][1] == first[rank][1][2:], rank
-    owned = [set(saved) for _, _, saved in first]
     single = Trainer(tiny_config(corpus_cache, str(tmp_path / "one"), "train.precision=bf16", "train.steps=4",
                                  f"checkpoint.resume={tmp_path / 'run' / 'checkpoints' / 'iter_0000002'}"))
-    everything = model_state(single.model)
-    assert single.step == 2 and set(everything) == owned[0] | owned[1] and owned[0] != owned[1]
+    everything = owned_ranges(model_state(single.model))
+    # the replicated router biases are written by both ranks, every parameter element by exactly one
+    parameters = {k: v.shape for k, v in model_state(single.model).items() if "e_score_correction_bias" not in k}
+    assert single.step == 2
+    assert_each_element_once([{k: v for k, v in saved.items() if k in parameters} for _, _, saved in first], parameters)
     for _, _, saved in first:
-        assert all(torch.equal(everything[key], value) for key, value in saved.items())
-    assert all(v.dtype == torch.float32 for v in everything.values() if v.is_floating_point())
+        assert all(torch.equal(everything[key][1][start:start + value.numel()], value)
+                   for key, (start, value) in saved.items())
+    assert all(v.dtype == torch.float32 for _, v in everything.values() if v.is_floating_point())
     losses = [m["loss"] for m in read_metrics([single.train_step() for _ in range(2)])]
     assert losses == pytest.approx(first[0][1][2:], rel=1e-4)  # another layout: bf16 bounds as above
+
+
+def exchange_bytes(ep: int, precision: str, zero1: bool, cache_dir: str, run_dir: str) -> dict:
+    """One training step on 4 processes; the bytes this rank's data-parallel exchange sent, and the sizes
+    that decide them."""
+    import torch.distributed as dist
+
+    topology = build_topology(pp=1, ep=ep, gpus_per_node=2, timeout_s=60)
+    try:
+        config = tiny_config(cache_dir, f"{run_dir}{dist.get_rank()}", f"parallel.ep={ep}",
+                             f"train.precision={precision}", f"parallel.zero1={str(zero1).lower()}")
+        trainer = Trainer(config, topology)
+        trainer.train_step()
+        named = list(trainer.model.named_parameters())
+        return {"sent": dict(trainer.grads.buffers.sent_bytes), "dp": topology.dp, "expert_dp": topology.dp // ep,
+                "dense": sum(p.numel() for n, p in named if not is_expert_parameter(n)),
+                "expert": sum(p.numel() for n, p in named if is_expert_parameter(n)),
+                "buckets": len(trainer.grads.buffers.buckets)}
+    finally:
+        topology.destroy_groups()
+        dist.barrier()
+
+
+def _ring(members: int, nbytes: int, passes: int = 1) -> int:
+    """What one rank sends in a ring collective over `nbytes`: (members - 1)/members of it per pass."""
+    return passes * (members - 1) * nbytes // members
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero1_exchange_sends_at_most_two_thirds_of_all_reduce_plus_broadcast(pools, corpus_cache, tmp_path, precision):
+    """ZeRO-1 on 4 processes (dp 4, ep 2: dense over dp 4, experts over expert-dp 2), one step: each rank
+    sends a reduce-scatter of the fp32 gradients and an all-gather of the parameters, counted by the
+    buffers, equal to the ring formula over the padded buckets, against an all-reduce of the gradients plus
+    the owners' broadcast of the parameters (ZeRO-1 before): 0.6 of it with bf16 parameters, 2/3 plus
+    the padding in fp32. Without ZeRO-1, an all-reduce alone."""
+    width = 2 if precision == "bf16" else 4
+    runs = {zero1: pools.get(4).run(exchange_bytes, 2, precision, zero1, corpus_cache, str(tmp_path / str(zero1)),
+                                    deadline_s=300) for zero1 in (True, False)}
+    for rank, (sharded, plain) in enumerate(zip(runs[True], runs[False])):
+        groups = [(sharded["dp"], sharded["dense"]), (sharded["expert_dp"], sharded["expert"])]
+        assert sharded["buckets"] == 2  # one bucket per replica group at the default bucket size
+        padded = [(members, -(-n // members) * members) for members, n in groups]
+        assert sharded["sent"] == {"reduce_scatter": sum(_ring(m, 4 * n) for m, n in padded),
+                                   "all_gather": sum(_ring(m, width * n) for m, n in padded)}, rank
+        assert plain["sent"] == {"all_reduce": sum(_ring(m, 4 * n, passes=2) for m, n in groups)}, rank
+        before = sum(_ring(m, 4 * n, passes=2) + _ring(m, width * n) for m, n in groups)
+        ratio = sum(sharded["sent"].values()) / before
+        print(f"rank {rank} ({precision}): ZeRO-1 sends {sum(sharded['sent'].values())} bytes per step, all-reduce + "
+              f"broadcast {before}: {ratio:.4f}")
+        assert ratio <= (0.6 if precision == "bf16" else 2 / 3) + 1e-3, rank

@@ -22,6 +22,7 @@ import torch
 
 from moe_train.config import OptimConfig
 from moe_train.optim import build_optimizer
+from parallel.data_parallel import build_buffers
 from parallel.adamw import BF16_BETA_LIMIT, BF16MomentAdamW
 
 BETAS, EPS = (0.9, 0.95), 1e-4  # eps near the gradients' scale, so its place in the formula shows
@@ -113,10 +114,13 @@ def test_bf16_moments_follow_a_float64_adamw_with_rounded_moments(seed):
 
 
 def test_the_config_chooses_torchs_fused_adamw_or_bf16_moments():
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
-    fp32 = build_optimizer(model, OptimConfig())
+    def optimizer(optim: OptimConfig) -> torch.optim.Optimizer:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+        return build_optimizer(model, build_buffers(model, None, torch.float32, shard=False), optim).inner
+
+    fp32 = optimizer(OptimConfig())
     assert type(fp32) is torch.optim.AdamW and fp32.defaults["fused"]
-    bf16 = build_optimizer(model, OptimConfig(moment_dtype="bf16", weight_decay=0.2, adam_beta2=0.9))
+    bf16 = optimizer(OptimConfig(moment_dtype="bf16", weight_decay=0.2, adam_beta2=0.9))
     assert type(bf16) is BF16MomentAdamW
     assert [g["weight_decay"] for g in bf16.param_groups] == [0.2, 0.0] and bf16.defaults["betas"] == (0.9, 0.9)
     assert {v.dtype for s in bf16.state.values() for k, v in s.items() if k != "step"} == {torch.bfloat16}

@@ -18,7 +18,7 @@ from model.layers import GroupedLinear, RMSNorm
 from model.router import Router
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from parallel.mixed_precision import use_bf16_parameters
+from parallel.data_parallel import build_buffers
 from parallel.pipeline.ir import ActionKind
 from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 
@@ -57,7 +57,7 @@ def bf16_demo_model(demo_model):
     """demo_model's weights as bf16 parameters with fp32 main grads (what train.precision=bf16 trains)."""
     model = DeepSeekV3(DEMO).train()
     model.load_state_dict(demo_model.state_dict())
-    use_bf16_parameters(model)
+    build_buffers(model, None, torch.bfloat16, shard=False)
     return model
 
 
@@ -65,7 +65,7 @@ def bf16_demo_model(demo_model):
 def bf16_split_demo_model(split_demo_model):
     model = DeepSeekV3(DEMO, gemms=SplitGemmOps(WeightGradStore())).train()
     model.load_state_dict(split_demo_model.state_dict())
-    use_bf16_parameters(model)
+    build_buffers(model, None, torch.bfloat16, shard=False)
     return model
 
 
@@ -164,7 +164,7 @@ def test_bf16_grouped_linear_equals_exact_math_on_bf16_operands(split):
     layer = GroupedLinear(4, 32, 24)
     weight = torch.randn(4, 24, 32, generator=gen)
     layer.weight.data = weight.clone()
-    use_bf16_parameters(layer)
+    build_buffers(layer, None, torch.bfloat16, shard=False)
     offsets = torch.cumsum(torch.tensor([9, 0, 14, 9]), 0).to(torch.int32)
     x = torch.randn(32, 32, generator=gen, requires_grad=True)
     grad_out = torch.randn(32, 24, generator=gen)

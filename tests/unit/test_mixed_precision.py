@@ -8,7 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model.router import Router
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from parallel.mixed_precision import MainParamOptimizer, use_bf16_parameters, zero_grad_buffers
+from parallel.data_parallel import build_buffers
+from parallel.mixed_precision import zero_grad_buffers
+from parallel.zero import DistributedOptimizer
 from parallel.pipeline.ir import ActionKind
 from parallel.pipeline.wgrad import SplitGemmOps, WeightGradStore
 from tests.unit.live_memory import LiveStorage
@@ -22,7 +24,7 @@ def tiny_model(gemms=None, bf16: bool = True) -> DeepSeekV3:
     torch.manual_seed(SEED)
     model = DeepSeekV3(TINY, gemms=gemms).train()
     if bf16:
-        use_bf16_parameters(model)
+        build_buffers(model, None, torch.bfloat16, shard=False)
     return model
 
 
@@ -37,12 +39,12 @@ class ParameterCasts(TorchDispatchMode):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.names = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()}
+        self.names = {p.data_ptr(): n for n, p in model.named_parameters()}  # parameters share a bucket's storage
         self.cast: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.names:
-            self.cast.add(self.names[args[0].untyped_storage().data_ptr()])
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.names:
+            self.cast.add(self.names[args[0].data_ptr()])
         return func(*args, **(kwargs or {}))
 
 
@@ -114,8 +116,8 @@ def test_the_optimizer_steps_fp32_main_params_and_rounds_them_into_the_bf16_para
     model = tiny_model(bf16=False)
     reference = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     make = lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True)  # noqa: E731
-    optimizer = MainParamOptimizer([{"params": list(model.parameters())}], make)
-    use_bf16_parameters(model)
+    buffers = build_buffers(model, None, torch.bfloat16, shard=False)
+    optimizer = DistributedOptimizer(buffers, [{"params": list(model.parameters())}], make)
     expected = make([{"params": list(reference.values())}])
     gen = torch.Generator().manual_seed(SEED)
     for param in model.parameters():
@@ -125,7 +127,8 @@ def test_the_optimizer_steps_fp32_main_params_and_rounds_them_into_the_bf16_para
     optimizer.step()
     expected.step()
     for name, param in model.named_parameters():
-        assert param.main_param.dtype == torch.float32 and torch.equal(param.main_param, reference[name].detach()), name
+        main = param.main_piece.main.view(param.shape)
+        assert main.dtype == torch.float32 and torch.equal(main, reference[name].detach()), name
         assert torch.equal(param.detach(), reference[name].detach().bfloat16()), name
 
 
@@ -136,7 +139,6 @@ def test_a_hugging_face_start_fills_the_main_params_and_export_writes_them(tmp_p
 
     from model.hf import save_hf_checkpoint
     from moe_train.hf_export import export
-    from moe_train.optim import master_weights
     from moe_train.train import Trainer
 
     source = tiny_model(bf16=False)
@@ -149,13 +151,13 @@ def test_a_hugging_face_start_fills_the_main_params_and_export_writes_them(tmp_p
         "logging.tensorboard=false", "train.precision=bf16", f"checkpoint.resume={tmp_path / 'hf'}",
         "checkpoint.weights_only=true"]))
     expected = dict(source.named_parameters())
-    mains = master_weights(trainer.model, trainer.optimizer)
+    mains = trainer.optimizer.master_weights()
     assert mains.keys() == expected.keys()
-    assert all(torch.equal(main, expected[name].detach()) for name, main in mains.items())
+    assert all(torch.equal(main.view(expected[name].shape), expected[name].detach()) for name, main in mains.items())
     assert all(torch.equal(p.detach(), expected[n].detach().bfloat16()) for n, p in trainer.model.named_parameters())
     trainer.train_step()
     export(trainer.save(), tmp_path / "out")
     exported = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
-    head = master_weights(trainer.model, trainer.optimizer)["lm_head.weight"]
-    assert head.dtype == torch.float32 and torch.equal(exported["lm_head.weight"], head)
+    head = trainer.optimizer.master_weights()["lm_head.weight"]
+    assert head.dtype == torch.float32 and torch.equal(exported["lm_head.weight"].view(-1), head)
     trainer.logger.close()

@@ -8,6 +8,7 @@ from model.args import ModelArgs
 from model.transformer import DeepSeekV3
 from moe_train.config import OptimConfig, load_config
 from moe_train.optim import build_optimizer
+from parallel.data_parallel import build_buffers
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
 
 
@@ -46,13 +47,14 @@ def test_constant_schedule_and_no_switch():
 
 def test_optimizer_groups_exclude_norms_from_decay_and_never_see_biases():
     model = DeepSeekV3(ModelArgs())
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    optimizer = build_optimizer(model, build_buffers(model, None, torch.float32, shard=False), OptimConfig(weight_decay=0.1))
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    param_of = {id(piece.main): piece.param for piece in optimizer.pieces}  # the AdamW steps their main values
     names = {id(p): n for n, p in model.named_parameters()}
-    assert all(names[id(p)].endswith(("norm.weight", "layernorm.weight")) for p in no_decay["params"])
-    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(names[id(param_of[id(m)])].endswith(("norm.weight", "layernorm.weight")) for m in no_decay["params"])
+    assert all(param_of[id(m)].dim() >= 2 for m in decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
     biases = {id(r.e_score_correction_bias) for r in model.routers()}
-    assert not biases & {id(p) for g in optimizer.param_groups for p in g["params"]}
-    assert isinstance(optimizer, torch.optim.AdamW)
+    assert not biases & {id(param_of[id(m)]) for g in optimizer.param_groups for m in g["params"]}
+    assert isinstance(optimizer.inner, torch.optim.AdamW)
