@@ -1,5 +1,7 @@
 """Combined 1F1B (1F1B with its steady-state pairs overlapped) trains like the single-process run,
 and bitwise like itself without overlap (pp 2, ep 2 over 2 simulated nodes, gloo, CPU)."""
+import math
+
 import torch
 
 from moe_train.optim import set_learning_rate
@@ -14,16 +16,16 @@ STEPS = 2
 
 
 def run_steps(trainer: Trainer) -> list[dict]:
-    """Per step: the losses, every gradient before clipping (experts: (first expert, slice)) and the
-    gradient norm."""
+    """Per step: the losses, the reduced range of every gradient before clipping (the rank's ZeRO-1 pieces:
+    (first expert or None, first element, the parameter's shape, the range)) and the gradient norm."""
     first_expert = {n: m.experts.first_expert for n, m in trainer.model.named_modules() if hasattr(m, "experts")}
     steps = []
     for step in range(STEPS):
         set_learning_rate(trainer.optimizer, learning_rate(step, trainer.cfg.optim, trainer.cfg.train.steps))
         [losses] = read_metrics([trainer.compute_gradients()])
-        grads = {name: (first_expert[name.split(".experts.")[0]] if is_expert_parameter(name) else None,
-                        param.grad.detach().clone())
-                 for name, param in trainer.model.named_parameters()}
+        grads = {p.name: (first_expert[p.name.split(".experts.")[0]] if is_expert_parameter(p.name) else None,
+                          p.start, tuple(p.param.shape), p.grad.clone())
+                 for p in trainer.optimizer.pieces}
         [update] = read_metrics([trainer.apply_update()])
         steps.append({"losses": losses, "grads": grads, "grad_norm": update["grad_norm"]})
     return steps
@@ -65,10 +67,12 @@ def test_combined_1f1b_overlap_equals_single_process_and_no_overlap(pools, corpu
             torch.testing.assert_close(got["grad_norm"], ref["grad_norm"], rtol=1e-5, atol=0)
             for key in ("loss", "lm_loss", "mtp_loss"):
                 torch.testing.assert_close(got["losses"][key], ref["losses"][key], rtol=1e-5, atol=0)
-            assert any(grad.any() for _, grad in want["grads"].values())
-            for name, (start, grad) in got["grads"].items():
-                assert torch.equal(grad, want["grads"][name][1]), (rank, name)
-                expected = ref["grads"][name][1]
-                if start is not None:
-                    expected = expected[start:start + grad.shape[0]]
-                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=4e-5, msg=f"rank {rank} grad {name}")
+            assert any(grad.any() for *_, grad in want["grads"].values())
+            for name, (expert, start, shape, grad) in got["grads"].items():
+                assert torch.equal(grad, want["grads"][name][3]), (rank, name)
+                expected = ref["grads"][name][3]  # one process: the whole gradient
+                if expert is not None:
+                    per_expert = math.prod(shape[1:])
+                    expected = expected[expert * per_expert:(expert + shape[0]) * per_expert]
+                torch.testing.assert_close(grad, expected[start:start + grad.numel()], rtol=1e-5, atol=4e-5,
+                                           msg=f"rank {rank} grad {name}")

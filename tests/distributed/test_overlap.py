@@ -5,6 +5,7 @@ import torch
 
 from moe_train.train import Trainer
 from parallel.dispatch.comm import ProcessGroupComm
+from parallel.mixed_precision import current_grad
 from parallel.pipeline.overlap import FBOverlap
 from parallel.topology import build_topology
 from tests.distributed.pool import WorkerError
@@ -64,7 +65,7 @@ def train_both_ways(cache_dir: str, run_dir: str, steps: int, schedule: str) -> 
             losses, grads = [], []
             for _ in range(steps):
                 losses.append({k: float(v) for k, v in trainer.compute_gradients().items()})
-                grads.append({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+                grads.append({n: current_grad(p).clone() for n, p in trainer.model.named_parameters()})
                 trainer.apply_update()
             hook = trainer.pipeline.runtime.fb_overlap
             out[overlap] = {"losses": losses, "grads": grads,
