@@ -13,9 +13,9 @@ Memory per rank, as the fp32 trainer keeps it: fp32 parameters (they are the mas
 fp32 gradients; Adam's two moments (fp32, or bf16 with optim.moment_dtype) and step count of the
 data-parallel rank that ZeRO-1 (whole tensors: dense ones over dp, expert ones over expert-dp) gives
 the most; activations as moe_train/plan_stages.py models them; the native dispatcher's buffers. With
-train.precision=bf16 the plan still models the former bf16 autocast (fp32 weights and gradients, and
-the weight copies autocast kept per micro-batch), not the bf16 parameters, fp32 main grads and owned
-fp32 main parameters the trainer now keeps (parallel.mixed_precision); and --reserve-gib for the CUDA
+train.precision=bf16 the activations are those of bf16 parameters (parallel.mixed_precision), but
+the weights, gradients and Adam state are still counted as in fp32 with whole-tensor ZeRO-1; and
+--reserve-gib for the CUDA
 context, NCCL's buffers and allocator fragmentation. model.recompute_modules lowers what each decoder
 layer keeps (moe_train/plan_stages.py): with [full] a stage stores the layer inputs plus one layer's
 activations at a time. Exit 2 with every problem named by its config key when the layout cannot work,
@@ -32,8 +32,7 @@ from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
 from moe_train.memory_limits import MemoryLimit
-from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
-    rank_parameters
+from moe_train.plan_stages import Stage, build_stages, layer_memory, rank_parameters, stage_activation_bytes
 from moe_train.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
@@ -123,19 +122,10 @@ def _schedule(config: Config, dp: int) -> Schedule:
 
 
 def _stage_activation_bytes(config: Config, stage: Stage) -> tuple[float, float]:
-    """(bytes kept per micro-batch until its backward, extra bytes while one backward runs), from the
-    per-unit memory of moe_train/plan_stages.py (with the model's recompute_modules)."""
+    """moe_train/plan_stages.py's per-micro-batch bytes of `stage` under the run's config."""
     a, t = config.model, config.train
-    tokens = t.micro_batch_size * t.seq_length
-    local_experts = a.num_moe_experts // config.parallel.ep
-    layers = [layer_memory(a, a.is_moe_layer(i), tokens, t.precision, local_experts) for i in stage.layers]
-    others: list[LayerMemory] = []
-    if stage.head:
-        layers += [layer_memory(a, a.num_moe_experts > 0, tokens, t.precision, local_experts)] * a.mtp_num_layers
-        others = [head_memory(a, tokens, t.precision)] + [mtp_memory(a, tokens, t.precision)] * a.mtp_num_layers
-    layer_input = 4 * a.hidden_size * tokens
-    units = [(m.kept, m.peak) for m in layers + others]
-    return layer_input + sum(kept for kept, _ in units), max((peak - kept for kept, peak in units), default=0.0)
+    return stage_activation_bytes(a, stage, t.micro_batch_size * t.seq_length, t.precision,
+                                  a.num_moe_experts // config.parallel.ep)
 
 
 def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], mem_b: float) -> float:
