@@ -63,6 +63,7 @@ import torch
 from model.args import FULL_RECOMPUTE, ModelArgs
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
+from parallel.pipeline.replicas import EMBEDDING
 
 
 @dataclass(frozen=True)
@@ -317,17 +318,24 @@ def build_stages(args: ModelArgs, num_stages: int) -> list[Stage]:
     return stages
 
 
-def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> tuple[list[int], list[int]]:
-    """Sizes of the dense and the routed-expert parameter tensors (one EP rank's share) of a pipeline
-    rank holding `stages`, in the order of the trainer's model (built for those parts on the meta
-    device), which is the order ZeRO-1 deals them out in."""
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameter elements of one pipeline rank, by the replica group that holds them."""
+
+    dense: int  # replicated over dp, the embedding included
+    embedding: int  # the embedding's (stage 0's, or the replica the head stage keeps for MTP)
+    expert: int  # this EP rank's share of the routed experts, replicated over expert-dp
+    tensors: int
+
+
+def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> RankParameters:
+    """The parameters of a pipeline rank holding `stages`, as the trainer's model for those parts
+    (built on the meta device) has them."""
     parts = [ModelPart(tuple(s.layers), embedding=s.embedding, head=s.head) for s in stages]
     with torch.device("meta"):
         model = DeepSeekV3(args, parts=parts)
-    dense, expert = [], []
-    for name, param in model.named_parameters():
-        if is_expert_parameter(name):
-            expert.append(param.numel() // ep)
-        else:
-            dense.append(param.numel())
-    return dense, expert
+    named = dict(model.named_parameters())
+    expert = sum(param.numel() // ep for name, param in named.items() if is_expert_parameter(name))
+    dense = sum(param.numel() for name, param in named.items() if not is_expert_parameter(name))
+    embedding = named[EMBEDDING].numel() if EMBEDDING in named else 0
+    return RankParameters(dense=dense, embedding=embedding, expert=expert, tensors=len(named))
