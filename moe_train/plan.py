@@ -5,21 +5,24 @@
 
 Validates the config and the layout (parallel.topology.layout_problems, the launcher's batch
 check, the pipeline schedule's requirements), then prints per pipeline rank: parameters (stage
-split in moe_train/plan_stages.py; routed experts divided over ep), weights, gradients and Adam
-state, peak activations (the simulated schedule's F/backward order times the per-stage activation
-estimate), the simulated bubble, and the expert-dispatch traffic per step (moe_train/plan_traffic.py).
+split in moe_train/plan_stages.py; routed experts divided over ep), weights, fp32 main parameters,
+gradients and Adam state, peak activations (the simulated schedule's F/backward order times the
+per-stage activation estimate), the simulated bubble, and the expert-dispatch traffic per step
+(moe_train/plan_traffic.py).
 
-Memory per rank, as the fp32 trainer keeps it: fp32 parameters (they are the master weights) and
-fp32 gradients; Adam's two moments (fp32, or bf16 with optim.moment_dtype) and step count of the
-data-parallel rank that ZeRO-1 (whole tensors: dense ones over dp, expert ones over expert-dp) gives
-the most; activations as moe_train/plan_stages.py models them; the native dispatcher's buffers. With
-train.precision=bf16 the plan still models the former bf16 autocast (fp32 weights and gradients, and
-the weight copies autocast kept per micro-batch), not the bf16 parameters, fp32 main grads and owned
-fp32 main parameters the trainer now keeps (parallel.mixed_precision); and --reserve-gib for the CUDA
-context, NCCL's buffers and allocator fragmentation. model.recompute_modules lowers what each decoder
-layer keeps (moe_train/plan_stages.py): with [full] a stage stores the layer inputs plus one layer's
-activations at a time. Exit 2 with every problem named by its config key when the layout cannot work,
-or when --gpu-memory-gib is given and a rank does not fit.
+Memory per rank, as the trainer keeps it (parameter_bytes): the weights (fp32, or bf16 with
+train.precision=bf16) and their fp32 gradients (main gradients of bf16 parameters,
+parallel.mixed_precision), both for every element the pipeline rank holds; fp32 main parameters
+(bf16 only) and Adam's two moments (fp32, or bf16 with optim.moment_dtype) of the data-parallel
+rank's ZeRO-1 shard, an even split of each replica group's elements (zero1_shard_elements: dense
+parameters over dp, experts over expert-dp, both over twice as many ranks where two pipeline ranks
+hold the same parameters), and a step count per tensor (a bound: a shard may not touch every
+tensor); activations as moe_train/plan_stages.py models them; the native dispatcher's buffers; and
+--reserve-gib for the CUDA context, NCCL's buffers and allocator fragmentation.
+model.recompute_modules lowers what each decoder layer keeps (moe_train/plan_stages.py): with
+[full] a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with every
+problem named by its config key when the layout cannot work, or when --gpu-memory-gib is given and
+a rank does not fit.
 """
 from __future__ import annotations
 
@@ -32,12 +35,13 @@ from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
 from moe_train.memory_limits import MemoryLimit
-from moe_train.plan_stages import LayerMemory, Stage, build_stages, head_memory, layer_memory, mtp_memory, \
-    rank_parameters
+from moe_train.plan_stages import RankParameters, Stage, build_stages, layer_memory, rank_parameters, \
+    stage_activation_bytes
 from moe_train.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
+from parallel.pipeline.replicas import replica_pairs
 from parallel.pipeline.timeline import Timeline, simulate
 
 GIB = 2 ** 30
@@ -52,9 +56,9 @@ class RankPlan:
     dense_params: int  # replicated over dp, includes an embedding copy when MTP needs one here
     expert_params: int  # this rank's share of the routed experts
     weights: float  # bytes of the model's parameters (fp32: they are the master weights)
-    main_params: float  # bytes of fp32 main parameters kept beside lower-precision weights (none today)
-    grads: float  # bytes of the gradients the optimizer reads (fp32)
-    optimizer: float  # bytes, Adam state of the data-parallel rank that ZeRO-1 gives the most
+    main_params: float  # bytes of the fp32 main parameters of the ZeRO-1 shard beside bf16 weights (fp32: none)
+    grads: float  # bytes of the fp32 gradients the optimizer reads (main gradients of bf16 weights)
+    optimizer: float  # bytes of Adam's moments of the ZeRO-1 shard and its step counts
     activations: float  # bytes at the simulated peak
     buffers: float  # bytes of the dispatcher's communication buffers (plan_traffic.communication_buffer_bytes)
     peak_units: float  # simulator's peak, in one stage's activations of one micro-batch
@@ -122,19 +126,10 @@ def _schedule(config: Config, dp: int) -> Schedule:
 
 
 def _stage_activation_bytes(config: Config, stage: Stage) -> tuple[float, float]:
-    """(bytes kept per micro-batch until its backward, extra bytes while one backward runs), from the
-    per-unit memory of moe_train/plan_stages.py (with the model's recompute_modules)."""
+    """moe_train/plan_stages.py's per-micro-batch bytes of `stage` under the run's config."""
     a, t = config.model, config.train
-    tokens = t.micro_batch_size * t.seq_length
-    local_experts = a.num_moe_experts // config.parallel.ep
-    layers = [layer_memory(a, a.is_moe_layer(i), tokens, t.precision, local_experts) for i in stage.layers]
-    others: list[LayerMemory] = []
-    if stage.head:
-        layers += [layer_memory(a, a.num_moe_experts > 0, tokens, t.precision, local_experts)] * a.mtp_num_layers
-        others = [head_memory(a, tokens, t.precision)] + [mtp_memory(a, tokens, t.precision)] * a.mtp_num_layers
-    layer_input = 4 * a.hidden_size * tokens
-    units = [(m.kept, m.peak) for m in layers + others]
-    return layer_input + sum(kept for kept, _ in units), max((peak - kept for kept, peak in units), default=0.0)
+    return stage_activation_bytes(a, stage, t.micro_batch_size * t.seq_length, t.precision,
+                                  a.num_moe_experts // config.parallel.ep)
 
 
 def _peak_activation_bytes(program, per_stage: dict[int, tuple[float, float]], mem_b: float) -> float:
@@ -159,12 +154,40 @@ def moment_bytes(config: Config) -> int:
     return 2 * MOMENT_DTYPES[config.optim.moment_dtype].itemsize
 
 
-def _adam_bytes(dense: list[int], expert: list[int], dp: int, ep: int, zero1: bool, per_element: int) -> float:
-    """Adam state of a data-parallel rank: the two moments, `per_element` bytes per element, of an even
-    share of the elements (parallel.grad_buffers: dense ones over dp, expert ones over expert-dp)."""
-    dense_members = dp if zero1 else 1
-    expert_members = max(dense_members // ep, 1)
-    return per_element * (-(-sum(dense) // dense_members) + -(-sum(expert) // expert_members))
+def parameter_bytes(config: Config) -> tuple[int, int, int]:
+    """Bytes per parameter element of (the weights, their gradients, fp32 main parameters), as
+    parallel.mixed_precision keeps them. train.precision=bf16: bf16 weights (2), fp32 main gradients
+    (4) of every element, fp32 main parameters (4) of the elements the rank's optimizer steps. fp32:
+    the weights (4) are their own main parameters (0), `.grad` their gradients (4)."""
+    return (2, 4, 4) if config.train.precision == "bf16" else (4, 4, 0)
+
+
+def zero1_shard_elements(elements: int, members: int) -> int:
+    """Elements of `elements` that one of `members` ranks owns under ZeRO-1, as Megatron's distributed
+    optimizer cuts them: the group's parameters lie in contiguous gradient buffers cut into buckets,
+    each padded to a multiple of `members` and split evenly in element ranges (tensors cut anywhere),
+    so every member owns ceil(elements / members). The padding, at most one element per bucket and
+    member, is not counted."""
+    return -(-elements // members)
+
+
+def owned_elements(params: RankParameters, dp: int, ep: int, zero1: bool, pair: int, embedding_pair: int) -> int:
+    """Elements of `params` whose main parameters and moments one data-parallel rank keeps: with
+    ZeRO-1 its shard of each replica group (dense parameters over dp, routed experts over expert-dp =
+    dp / ep, each times `pair`, 2 where the pipeline rank's parameters are replicated on a second one:
+    DualPipe's mirror; the embedding times `embedding_pair`, 2 also for the tied replica of a loop
+    placement with MTP); without ZeRO-1 all of them."""
+    if not zero1:
+        return params.dense + params.expert
+    return (zero1_shard_elements(params.dense - params.embedding, pair * dp)
+            + zero1_shard_elements(params.embedding, embedding_pair * dp)
+            + zero1_shard_elements(params.expert, pair * (dp // ep)))
+
+
+def optimizer_bytes(config: Config, params: RankParameters, owned: int) -> int:
+    """Adam's state of a rank: the two moments of the `owned` elements and an fp32 step count per tensor
+    (parallel.adamw); under ZeRO-1 the step counts are a bound, a shard may touch fewer tensors."""
+    return moment_bytes(config) * owned + 4 * params.tensors
 
 
 def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
@@ -185,17 +208,20 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
     buffers = communication_buffer_bytes(config, gpus_per_node)
+    weight, grad, main = parameter_bytes(config)
+    pairs, mirror = replica_pairs(schedule.placement, tied_embedding=a.mtp_num_layers > 0)
     ranks = []
     for rank, program in enumerate(schedule.programs):
         on_rank = schedule.placement.stages_on(rank)
-        dense_sizes, expert_sizes = rank_parameters(a, [stages[s] for s in on_rank], p.ep)
-        dense, expert = sum(dense_sizes), sum(expert_sizes)  # dense includes MTP's embedding copy
+        params = rank_parameters(a, [stages[s] for s in on_rank], p.ep)
+        paired = any(rank in pair for pair in pairs)
+        owned = owned_elements(params, dp, p.ep, p.zero1, 2 if paired and mirror else 1, 2 if paired else 1)
         moe_tokens = sum(tokens * stages[half.stage].moe_layers
                          for action in program for half in action.halves() if half.kind is ActionKind.F)
         ranks.append(RankPlan(
-            pp_rank=rank, stages=on_rank, dense_params=dense, expert_params=expert,
-            weights=4 * (dense + expert), main_params=0.0, grads=4 * (dense + expert),
-            optimizer=_adam_bytes(dense_sizes, expert_sizes, dp, p.ep, p.zero1, moment_bytes(config)),
+            pp_rank=rank, stages=on_rank, dense_params=params.dense, expert_params=params.expert,
+            weights=weight * (params.dense + params.expert), main_params=main * owned,
+            grads=grad * (params.dense + params.expert), optimizer=optimizer_bytes(config, params, owned),
             activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b), buffers=buffers,
             peak_units=timeline.peak_activations[rank],
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
@@ -227,14 +253,15 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
 def start_up_memory_problems(config: Config, world: int, available: MemoryLimit, memory: str) -> list[tuple[str, str]]:
     """A lower bound of one process's memory against `available`, what `memory` (e.g. "cpu memory")
     offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
-    (make_plan builds the stages' modules, too slow for a model that is far too large): parameters,
-    gradients and Adam moments (16 bytes per parameter, 12 with bf16 moments) as if spread evenly
-    over all `world` processes, plus one micro-batch's activations of the first stage's layers unless
+    (make_plan builds the stages' modules, too slow for a model that is far too large): weights,
+    gradients, main parameters and Adam moments (parameter_bytes and moment_bytes: 16 bytes per
+    parameter in fp32, 12 with bf16 moments; 18 and 14 with bf16 parameters) as if spread evenly over
+    all `world` processes, plus one micro-batch's activations of the first stage's layers unless
     they are recomputed, plus the token rows of a step's micro-batches on this rank (int64, read
     before the step starts)."""
     a, t, pp = config.model, config.train, config.parallel.pp
     counts = count_parameters(a)
-    states = (8 + moment_bytes(config)) * (counts.total + counts.mtp_total) / world
+    states = (sum(parameter_bytes(config)) + moment_bytes(config)) * (counts.total + counts.mtp_total) / world
     activations = 0.0
     if FULL_RECOMPUTE not in config.model.recompute_modules:
         tokens = t.micro_batch_size * t.seq_length
@@ -245,9 +272,9 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
     need = (states + activations + rows) / GIB
     if need <= available.gib:
         return []
-    return [("memory", f"{memory}: each process needs at least {need:.1f} GiB (parameters, gradients and Adam "
-                       f"state {states / GIB:.1f} GiB, one micro-batch's activations {activations / GIB:.1f} GiB, "
-                       f"a step's token rows {rows / GIB:.1f} GiB) "
+    return [("memory", f"{memory}: each process needs at least {need:.1f} GiB (parameters, gradients, main "
+                       f"parameters and Adam state {states / GIB:.1f} GiB, one micro-batch's activations "
+                       f"{activations / GIB:.1f} GiB, a step's token rows {rows / GIB:.1f} GiB) "
                        f"but {available.gib:.1f} GiB is available per process, bounded by {available.source}; use a smaller model, more processes, "
                        "model.recompute_modules=[full], or a smaller train.micro_batch_size, train.global_batch_size or "
                        "train.seq_length")]

@@ -8,47 +8,50 @@ closed forms.
 
 Activation memory of one decoder layer for one micro-batch of T tokens (`layer_memory`), in bytes,
 as our model code allocates it (checked against the storages a real layer allocates on CPU, fp32 and
-bf16, in tests/unit/test_plan.py). Per token, with d hidden, H heads, q/kv LoRA ranks ql/kl, rope dim
-r, qk = nope + r, vd = v head dim and b the compute dtype's bytes (4 fp32, 2 bf16); under bf16 autocast
-every Linear saves its own bf16 copy of an fp32 input, in fp32 the input itself is shared:
-- attention: input norm 4 + 4d + (2 x 2d bf16 casts | 4d output); each LoRA norm of width w
-  (q: ql, kv: kl) 4w (fp32 input) + 4 + 2 b w (normalised and output); fp32 also keeps the rope part
-  of the kv_a output, 4r; q, k, padded v and output b 4 H qk, log-sum-exp 4H, o_proj input b H vd;
-- residual and post-attention norm 4d + 4 + 4d, then the FFN input: dense (2 x 2d casts | 4d),
-  MoE 4d (the router reads it in fp32) + the shared expert's casts 2 x 2d;
+with bf16 parameters, in tests/unit/test_plan.py). Per token, with d hidden, H heads, q/kv LoRA ranks
+ql/kl, rope dim r, qk = nope + r, vd = v head dim and b the bytes of the parameters' dtype (4 fp32,
+2 with train.precision=bf16: parallel.mixed_precision's bf16 parameters, so the residual stream,
+every GEMM's output and what a Linear saves of its input are bf16). An RMSNorm of width w keeps
+4 (its fp32 statistics) + b w (the normalised input) and, with bf16 parameters, 4w: the fp32 copy
+of its input it normalises (in fp32 that is the input itself):
+- attention: the input norm, its output b d (the q_a and kv_a projections' input); each LoRA norm of
+  width w (q: ql, kv: kl) with its output b w and, in fp32, its input 4w; fp32 also keeps the rope
+  part of the kv_a output, 4r; q, k, padded v and output b 4 H qk, log-sum-exp 4H, o_proj input b H vd;
+- the residual 4d (fp32: the residual itself, bf16: the post-attention norm's copy) and that norm's
+  4 + b d, then the FFN input: dense b d, MoE 4d (the router's fp32 input) and with bf16 parameters
+  the norm's output 2d (the shared expert's input);
 - dense FFN: 4 f b (gate, SiLU, up, product);
 - MoE: router 4E + 12k + 4 (+ 4 with the balance loss); two int64 slot orders 16k; routed experts
-  e (2kd + 5kf) + 4k, e = b (their grouped GEMMs follow autocast too); shared expert 4 fs b;
-- layer output 4d (the residual stream is fp32 in both precisions).
-Under bf16 autocast each forward also keeps bf16 copies of the Linear weights it used (2 bytes per
-parameter per micro-batch, the routed experts' included; not the router's).
+  b (2kd + 5kf + k); shared expert 4 fs b; with bf16 parameters the router's fp32 copy of its gate
+  weight, 4 E d per micro-batch (no other weight is copied);
+- layer output b d.
 With EP > 1 the dispatch adds its receive buffers and saved ids, which are not counted.
 
 The peak during the layer's backward is the larger of two phases. The FFN's (run first) adds the
-incoming output gradient (4d) and the gradients and temporaries alive at once at the widest point of
-the FFN's backward: for a SwiGLU of width w, the largest of two gradients of width w, one plus the
-down projection's weight gradient (d w b, and with bf16 the bf16 copy of the incoming gradient,
-2d), and with bf16 an input projection's weight gradient cast to fp32 (4 d w); for the routed
-experts, after the shared expert's activations are freed, the largest of their output gradient (kd),
-the down projection's input and weight gradients (kf + E d f) and the gate/up projection's
-(E 2 f d, with 3 kf of activations freed). The attention's, once the FFN half is freed: the
-attention half's bytes, the layer's output, the incoming gradient and the residual's gradient
-(4d each) and the core's gradients of q, k, v and the rope key, b H (3 qk + r).
+incoming output gradient (b d) and the gradients and temporaries alive at once at the widest point
+of the FFN's backward: for a SwiGLU of width w, the larger of two gradients of width w and one plus
+the down projection's weight gradient (d w b); for the routed experts, after the shared expert's
+activations are freed, the largest of their output gradient (kd), the down projection's input and
+weight gradients (kf + E d f) and the gate/up projection's (E 2 f d, with 3 kf of activations
+freed). The attention's, once the FFN half is freed: the attention half's bytes, the layer's
+output, the incoming gradient and the residual's gradient (b d each) and the core's gradients,
+b H (3 qk + r).
 
 `recompute_modules` (model/recompute.py), each term measured as the code allocates it:
-- `full`: a layer keeps only 4d per token (its input) until its backward, which first rebuilds all
+- `full`: a layer keeps only b d per token (its input) until its backward, which first rebuilds all
   of the above: the peak is the same.
 - the selective modules take off what `recompute_savings` lists (each norm's statistics,
-  normalised copy and fp32 output; q, k and v; the experts' SiLU, product and scaled product), net
-  of the region inputs they keep, and add what their backward rebuilds to the phase that rebuilds
-  it: q, k and v (and with layernorm in fp32 the latents) to the attention's, the experts'
-  activation (and in fp32 the post-attention norm's output) to the FFN's.
+  normalised input, output and fp32 copy; q, k and v; the experts' SiLU, product and scaled
+  product), net of the region inputs they keep, and add what their backward rebuilds to the phase
+  that rebuilds it: q, k and v (and with layernorm the latents) to the attention's, the experts'
+  activation and the post-attention norm's output to the FFN's.
 
-Outside the decoder layers: the stage input, 4d per token; the final norm, LM head and loss
-(`head_memory`, also measured): the fp32 log-probabilities 4V and the norm kept, the head's bf16
-weight copy, and in backward the gradients of log-probabilities and logits, 8V; each MTP depth
-(`mtp_memory`, not measured; the same rules): its embedding and hidden norms, projection input,
-final norm and head, besides its decoder layer. Recomputation covers the decoder layers only.
+Outside the decoder layers: the stage input, b d per token; the final norm, LM head and loss
+(`head_memory`, also measured): the fp32 log-probabilities 4V and the norm kept, and in backward the
+gradients of log-probabilities and logits, 8V; each MTP depth (`mtp_memory`): its embedding and
+hidden norms, projection input and output, final norm and head, besides its decoder layer.
+Recomputation covers the decoder layers only. A stage (`stage_activation_bytes`) sums these and,
+with bf16 parameters, leaves out the hidden states that only norms read (`unkept_hidden_states`).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ import torch
 from model.args import FULL_RECOMPUTE, ModelArgs
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
+from parallel.pipeline.replicas import EMBEDDING
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,6 @@ def split_units(num_units: int, num_stages: int) -> list[range]:
     return bounds
 
 
-def _expert_bytes(bf16: bool) -> int:
-    """Bytes per element the routed experts keep: their grouped GEMMs follow autocast (GemmOps.grouped)."""
-    return 2 if bf16 else 4
-
-
 @dataclass(frozen=True)
 class LayerMemory:
     """One decoder layer's memory for one micro-batch, in bytes (parameters and their gradients excluded)."""
@@ -97,16 +96,23 @@ class LayerMemory:
     peak: float  # the most alive at once during its forward and backward
 
 
-def _ffn_input_bytes(d: int, bf16: bool) -> int:
-    """What the two input projections of a SwiGLU keep of an fp32 input: two bf16 casts, or the input."""
-    return 2 * 2 * d if bf16 else 4 * d
+def _dtype_bytes(bf16: bool) -> int:
+    """b: bytes per element of the parameters' dtype, which the activations take too."""
+    return 2 if bf16 else 4
+
+
+def _norm_bytes(width: int, bf16: bool) -> int:
+    """What an RMSNorm of `width` keeps besides its input and output: its statistics (4) and its
+    normalised input (b w), and with bf16 parameters the fp32 copy of its bf16 input (4w) that it
+    normalises (in fp32 that is the input itself)."""
+    return 4 + _dtype_bytes(bf16) * width + 4 * width * bf16
 
 
 def attention_terms(a: ModelArgs, bf16: bool) -> dict[str, float]:
     """Bytes per token the attention half of a layer keeps without recomputation, by what keeps them."""
-    d, heads, r, b = a.hidden_size, a.num_attention_heads, a.qk_pos_emb_head_dim, 2 if bf16 else 4
-    low_rank_norm = lambda width: 4 * width + 4 + 2 * b * width  # noqa: E731
-    return {"input_norm": 4 + 4 * d, "attention_input": _ffn_input_bytes(d, bf16),
+    d, heads, r, b = a.hidden_size, a.num_attention_heads, a.qk_pos_emb_head_dim, _dtype_bytes(bf16)
+    low_rank_norm = lambda width: _norm_bytes(width, bf16) + b * width + 4 * width * (not bf16)  # noqa: E731
+    return {"input_norm": _norm_bytes(d, bf16), "attention_input": b * d,
             "q_norm": low_rank_norm(a.q_lora_rank) if a.q_lora_rank is not None else 0,
             "kv_norm": low_rank_norm(a.kv_lora_rank) + (0 if bf16 else 4 * r),
             "qkv": 3 * b * heads * a.qk_full_head_dim,
@@ -114,68 +120,58 @@ def attention_terms(a: ModelArgs, bf16: bool) -> dict[str, float]:
 
 
 def _shared_expert_kept(a: ModelArgs, bf16: bool) -> int:
+    """Its four activations of width fs; with bf16 parameters also its input, the post-attention norm's
+    bf16 output (in fp32 that tensor is the router's input, counted there)."""
     fs = a.moe_shared_expert_intermediate_size
-    return (4 * fs * (2 if bf16 else 4) + 2 * 2 * a.hidden_size * bf16) if fs else 0
+    return (4 * fs * _dtype_bytes(bf16) + 2 * a.hidden_size * bf16) if fs else 0
 
 
 def ffn_terms(a: ModelArgs, moe: bool, bf16: bool) -> dict[str, float]:
     """The same for the rest of the layer: residual, post-attention norm, FFN and the layer output
-    (the residual stream is fp32 in both precisions)."""
-    d, b = a.hidden_size, 2 if bf16 else 4
-    terms = {"residual": 4 * d, "post_norm": 4 + 4 * d}
+    (the residual is kept by the post-attention norm: in fp32 itself, with bf16 parameters its fp32
+    copy, 4d in both)."""
+    d, b = a.hidden_size, _dtype_bytes(bf16)
+    terms = {"residual": 4 * d, "post_norm": _norm_bytes(d, bf16) - 4 * d * bf16}
     if not moe:
-        return {**terms, "ffn_input": _ffn_input_bytes(d, bf16), "ffn": 4 * a.ffn_hidden_size * b, "output": 4 * d}
+        return {**terms, "ffn_input": b * d, "ffn": 4 * a.ffn_hidden_size * b, "output": b * d}
     k, f = a.moe_router_topk, a.moe_ffn_hidden_size
     router = 4 * a.num_moe_experts + 12 * k + 4 * (a.moe_router_score_function == "sigmoid" and k > 1) \
         + 4 * (a.moe_aux_loss_coeff > 0)
-    e = _expert_bytes(bf16)
-    return {**terms, "router_input": 4 * d, "router": router + 16 * k, "experts": e * 2 * k * d + 4 * k,
-            "expert_activation": e * 5 * k * f, "shared_expert": _shared_expert_kept(a, bf16), "output": 4 * d}
+    return {**terms, "router_input": 4 * d, "router": router + 16 * k, "experts": b * (2 * k * d + k),
+            "expert_activation": b * 5 * k * f, "shared_expert": _shared_expert_kept(a, bf16), "output": b * d}
 
 
 def recompute_savings(a: ModelArgs, moe: bool, bf16: bool) -> dict[str, float]:
     """Bytes per token each selective module of `a.recompute_modules` no longer keeps (model/recompute.py),
-    net of the region inputs it keeps instead. layernorm: each norm keeps only its input, no
-    statistics, normalised copy or fp32 output (bf16 Linears keep their own casts of it; with bf16 the
-    latent norms keep their bf16 input instead of its fp32 copy); mla_up_proj: q, k and v; moe_act:
-    the SwiGLU's SiLU, product and scaled product (its gate/up input stays). With bf16 the regions keep
-    the kv_a output (its latent and rope key, 2 (kl + r)), and the up-projection keeps the fp32 latents
-    (q and kv norm outputs) unless the norms are recomputed too."""
-    modules, d, b = set(a.recompute_modules), a.hidden_size, 2 if bf16 else 4
+    net of the region inputs it keeps instead. layernorm: each norm keeps only its input, none of
+    `_norm_bytes` and not its output; with bf16 parameters the q and kv latent norms keep their bf16
+    inputs (the q_a and kv_a outputs) and the post-attention norm the bf16 residual instead of their
+    fp32 copies; mla_up_proj: q, k and v; moe_act: the SwiGLU's SiLU, product and scaled product (its
+    gate/up input stays). With bf16 parameters either of the first two keeps the kv_a output (its
+    latent and rope key, 2 (kl + r)); in fp32 the kv norm kept it already."""
+    modules, d, b = set(a.recompute_modules), a.hidden_size, _dtype_bytes(bf16)
     ql, kl, heads = a.q_lora_rank, a.kv_lora_rank, a.num_attention_heads
     saved: dict[str, float] = {}
     if "layernorm" in modules:
-        low_rank = (lambda w: 4 * w + 4) if bf16 else (lambda w: 8 * w + 4)  # noqa: E731
-        saved["layernorm_attention"] = (4 + 4 * d + (0 if bf16 else 4 * d) + (low_rank(ql) if ql is not None else 0)
-                                        + low_rank(kl) + 2 * kl * bf16)
-        # the router's fp32 input, or the fp32 Linears' shared input
-        saved["layernorm_ffn"] = 4 + 4 * d + (4 * d if moe or not bf16 else 0)
+        low_rank = lambda w: _norm_bytes(w, bf16) + b * w  # noqa: E731
+        q_norm = low_rank(ql) - 2 * ql * bf16 if ql is not None else 0
+        saved["layernorm_attention"] = _norm_bytes(d, bf16) + b * d + q_norm + low_rank(kl)
+        # the norm's output: the FFN's input, or in a MoE layer the router's fp32 input (fp32) or the
+        # shared expert's input (bf16)
+        output = b * d * (not (moe and bf16) or a.moe_shared_expert_intermediate_size > 0)
+        saved["layernorm_ffn"] = _norm_bytes(d, bf16) + output - 2 * d * bf16
     if "mla_up_proj" in modules:
-        latents = 0 if "layernorm" in modules or not bf16 else 4 * (ql if ql is not None else d) + 4 * kl
-        saved["mla_up_proj"] = 3 * b * heads * a.qk_full_head_dim - latents
+        saved["mla_up_proj"] = 3 * b * heads * a.qk_full_head_dim
     if bf16 and modules & {"layernorm", "mla_up_proj"}:
         saved["kv_a_output"] = -2 * (kl + a.qk_pos_emb_head_dim)
     if "moe_act" in modules and moe:
-        saved["moe_act"] = 3 * _expert_bytes(bf16) * a.moe_router_topk * a.moe_ffn_hidden_size
+        saved["moe_act"] = 3 * b * a.moe_router_topk * a.moe_ffn_hidden_size
     return saved
 
 
-def _cast_weights(a: ModelArgs, moe: bool, local_experts: int) -> tuple[int, int]:
-    """Parameters that autocast casts to bf16 at every forward, (attention's, the FFN's): the Linear
-    modules' and the routed experts'."""
-    d, heads, r = a.hidden_size, a.num_attention_heads, a.qk_pos_emb_head_dim
-    qk = heads * a.qk_full_head_dim
-    q = d * qk if a.q_lora_rank is None else a.q_lora_rank * (d + qk)
-    kv = d * (a.kv_lora_rank + r) + a.kv_lora_rank * heads * (a.qk_head_dim + a.v_head_dim)
-    ffn = 3 * d * (a.moe_shared_expert_intermediate_size if moe else a.ffn_hidden_size)
-    routed = 3 * d * a.moe_ffn_hidden_size * local_experts if moe else 0
-    return q + kv + heads * a.v_head_dim * d, ffn + routed
-
-
 def _swiglu_backward(d: int, width: int, tokens: int, bf16: bool) -> float:
-    b = 2 if bf16 else 4
-    weight_grads = 4 * d * width if bf16 else 0  # an input projection's weight gradient cast to fp32
-    return max(2 * width * b * tokens, (width * b + 2 * d * bf16) * tokens + d * width * b, weight_grads)
+    b = _dtype_bytes(bf16)
+    return max(2 * width * b * tokens, width * b * tokens + d * width * b)
 
 
 def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int) -> float:
@@ -186,35 +182,40 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     modules = set(a.recompute_modules)
     k, f, fs = a.moe_router_topk, a.moe_ffn_hidden_size, a.moe_shared_expert_intermediate_size
     shared = _swiglu_backward(d, fs, tokens, bf16) if fs else 0.0
-    # the shared expert's backward runs first and frees its activations (and weight copies); its
-    # input gradient (fp32, 4d) stays for the routed experts' to be added
-    freed = (_shared_expert_kept(a, bf16) - 4 * d) * tokens + 2 * 3 * d * fs * bf16
-    e = _expert_bytes(bf16)
-    activations = k * f * e * tokens
-    # moe_act: the rebuilt down-projection input is alive in its backward; in fp32 the gate/up
-    # projection's backward then frees none of the 3 kf (measured; in bf16 that branch is not the peak)
+    # the shared expert's backward runs first and frees what it kept; its input gradient (b d) stays
+    # for the routed experts' to be added
+    b = _dtype_bytes(bf16)
+    freed = (_shared_expert_kept(a, bf16) - b * d) * tokens
+    activations = k * f * b * tokens
+    # moe_act: the rebuilt down-projection input is alive in its backward; the gate/up projection's
+    # backward then frees none of the 3 kf (they were not kept)
     rebuilt = activations if "moe_act" in modules else 0
-    unfreed = 3 * activations if "moe_act" in modules and not bf16 else 0
-    routed = max(k * d * e * tokens, activations + experts * d * f * e + rebuilt,
-                 -3 * activations + unfreed + experts * 2 * f * d * e) - freed
-    # layernorm: in fp32 the shared expert's backward rebuilds the post-attention norm's output,
-    # which stays until the router's backward reads it
-    rebuilt_norm = 4 * d * tokens if "layernorm" in modules and fs and not bf16 else 0
+    unfreed = 3 * activations if "moe_act" in modules else 0
+    routed = max(k * d * b * tokens, activations + experts * d * f * b + rebuilt,
+                 -3 * activations + unfreed + experts * 2 * f * d * b) - freed
+    # layernorm: the shared expert's backward rebuilds the post-attention norm's output; in fp32 it
+    # stays until the router's backward reads it (4d), with bf16 parameters it goes (the router keeps
+    # an fp32 copy) but is not among the kept bytes `freed` counts (2d)
+    rebuilt_norm = b * d * tokens if "layernorm" in modules and fs else 0
     return max(shared, routed) + rebuilt_norm
 
 
 def _attention_backward(a: ModelArgs, tokens: int, bf16: bool) -> float:
-    """The attention core's backward: the gradients of q, k, v and of the rope keys (fp32 bytes; in
-    bf16 a bound, the FFN's backward is the peak there), plus q, k and v rebuilt under mla_up_proj
-    (with layernorm, also the latents they come from, fp32)."""
+    """The attention core's backward: the gradients of q, k, v and of the rope keys, plus q, k and v
+    rebuilt under mla_up_proj (with layernorm, also the latents they come from)."""
     modules, heads, qk = set(a.recompute_modules), a.num_attention_heads, a.qk_full_head_dim
-    b = 2 if bf16 else 4
+    b = _dtype_bytes(bf16)
     work = b * heads * (3 * qk + a.qk_pos_emb_head_dim)
     if "mla_up_proj" in modules:
         work += 3 * b * heads * qk
-        if "layernorm" in modules and not bf16:
-            work += 4 * ((a.q_lora_rank or a.hidden_size) + a.kv_lora_rank)
+        if "layernorm" in modules:
+            work += b * ((a.q_lora_rank or a.hidden_size) + a.kv_lora_rank)
     return work * tokens
+
+
+def _router_weight(a: ModelArgs, moe: bool, bf16: bool) -> int:
+    """The router's fp32 copy of its bf16 gate weight, E d, which its logits' GEMM keeps per micro-batch."""
+    return 4 * a.num_moe_experts * a.hidden_size * (moe and bf16)
 
 
 def layer_memory(a: ModelArgs, moe: bool, tokens: int, precision: str, local_experts: int | None = None) -> LayerMemory:
@@ -223,41 +224,81 @@ def layer_memory(a: ModelArgs, moe: bool, tokens: int, precision: str, local_exp
 
     The peak is the larger of two phases of the backward: the FFN's (first), with every attention
     tensor still kept, and the attention's, after the FFN half is freed, with the layer's output,
-    the incoming gradient and the gradient of the residual (4d each) alive."""
+    the incoming gradient and the gradient of the residual (b d each) alive."""
     bf16, d = precision == "bf16", a.hidden_size
     experts = a.num_moe_experts if local_experts is None else local_experts
-    attention_weights, ffn_weights = (2 * n * bf16 for n in _cast_weights(a, moe, experts))
+    hidden = _dtype_bytes(bf16) * d * tokens  # one hidden state: the layer's output, or a gradient of it
     if FULL_RECOMPUTE in a.recompute_modules:  # keeps its input; the backward rebuilds all of it first
         stored = layer_memory(dataclasses.replace(a, recompute_modules=[]), moe, tokens, precision, local_experts)
-        return LayerMemory(4 * d * tokens, stored.peak)
+        return LayerMemory(hidden, stored.peak)
     attention = sum(attention_terms(a, bf16).values())
     savings = recompute_savings(a, moe, bf16)
     ffn_saved = savings.get("layernorm_ffn", 0) + savings.get("moe_act", 0)
-    attention_kept = (attention - sum(savings.values()) + ffn_saved) * tokens + attention_weights
-    kept = attention_kept + (sum(ffn_terms(a, moe, bf16).values()) - ffn_saved) * tokens + ffn_weights
-    output_grad = 4 * d * tokens  # the gradient the layer above hands down, alive through the backward
+    attention_kept = (attention - sum(savings.values()) + ffn_saved) * tokens
+    kept = attention_kept + (sum(ffn_terms(a, moe, bf16).values()) - ffn_saved) * tokens + _router_weight(a, moe, bf16)
+    output_grad = hidden  # the gradient the layer above hands down, alive through the backward
     ffn_phase = kept + output_grad + _ffn_backward(a, moe, tokens, bf16, experts)
-    attention_phase = attention_kept + 3 * 4 * d * tokens + _attention_backward(a, tokens, bf16)
+    attention_phase = attention_kept + 3 * hidden + _attention_backward(a, tokens, bf16)
     return LayerMemory(kept, max(ffn_phase, attention_phase))
 
 
 def head_memory(a: ModelArgs, tokens: int, precision: str) -> LayerMemory:
     """Final norm, LM head and cross-entropy for one micro-batch: the fp32 log-probabilities (4V per
-    token) and the norm are kept; backward adds the gradients of the log-probabilities and logits."""
+    token) and the norm with its output (the head's input) are kept; backward adds the gradients of
+    the log-probabilities and logits."""
     bf16, d, vocab = precision == "bf16", a.hidden_size, a.vocab_size
-    norm = 4 + 4 * d + (2 * d if bf16 else 4 * d)
-    kept = (4 * vocab + norm) * tokens + 2 * d * vocab * bf16
+    norm = _norm_bytes(d, bf16) + _dtype_bytes(bf16) * d
+    kept = (4 * vocab + norm) * tokens
     return LayerMemory(kept, kept + 8 * vocab * tokens)
 
 
 def mtp_memory(a: ModelArgs, tokens: int, precision: str) -> LayerMemory:
-    """One MTP depth without its decoder layer (not measured; the same rules): the embedding and
-    hidden norms, the concatenated projection input, the layer output's final norm and the head."""
+    """One MTP depth without its decoder layer: the embedding and hidden norms, their concatenated
+    outputs (the projection's input), the projection's output (the layer's input), the layer output's
+    final norm and the head. fp32 (not measured) also counts the embedding's output (the embedding
+    norm's input, 4d) and 4d for the hidden norm's input, which the last decoder layer's output
+    already counts."""
     bf16, d = precision == "bf16", a.hidden_size
-    norms = 2 * (4 + 4 * d + 4 * d) + (2 * 2 * d if bf16 else 8 * d) + 4 * d  # + concat (or its cast), output
+    b = _dtype_bytes(bf16)
+    norms = 2 * _norm_bytes(d, bf16) + 2 * b * d + b * d + 8 * d * (not bf16)
     head = head_memory(a, tokens, precision)
-    weights = 2 * 2 * d * d * bf16  # eh_proj's bf16 copy; the head's comes with head_memory
-    return LayerMemory(head.kept + norms * tokens + weights, head.peak + norms * tokens + weights)
+    return LayerMemory(head.kept + norms * tokens, head.peak + norms * tokens)
+
+
+def unkept_hidden_states(a: ModelArgs, stage: Stage, precision: str) -> int:
+    """How many of the hidden states that `stage_activation_bytes` counts as kept (b d per token each:
+    the embedding's output, each decoder layer's output, each MTP depth's layer input) go once the
+    forward moves on. In fp32 none: every reader of a hidden state is a norm that keeps its input.
+    With bf16 parameters a norm keeps an fp32 copy instead, so a hidden state that only norms read
+    goes: the last layer's output on the head stage and each MTP layer's output (the final norms
+    read them), and a decoder layer's input unless the layer recomputes its norms (the layernorm
+    region keeps its input) or itself (full: the checkpoint keeps it). A received stage input stays,
+    held by the pipeline for the stage's backward."""
+    if precision != "bf16":
+        return 0
+    depths = a.mtp_num_layers if stage.head else 0
+    read_by_final_norms = (stage.head and len(stage.layers) > 0) + depths
+    if set(a.recompute_modules) & {"layernorm", FULL_RECOMPUTE}:
+        return read_by_final_norms
+    layer_inputs = stage.embedding + max(len(stage.layers) - 1, 0) + depths
+    return read_by_final_norms + layer_inputs
+
+
+def stage_activation_bytes(a: ModelArgs, stage: Stage, tokens: int, precision: str,
+                           local_experts: int | None = None) -> tuple[float, float]:
+    """(bytes kept per micro-batch until its backward, extra bytes while one backward runs) of a
+    stage: its input and the units above (decoder layers, and on the head stage the MTP depths' layers,
+    the head and the MTP depths), less the hidden states nobody keeps (`unkept_hidden_states`)."""
+    moe_mtp = a.num_moe_experts > 0
+    layers = [layer_memory(a, a.is_moe_layer(i), tokens, precision, local_experts) for i in stage.layers]
+    others: list[LayerMemory] = []
+    if stage.head:
+        layers += [layer_memory(a, moe_mtp, tokens, precision, local_experts)] * a.mtp_num_layers
+        others = [head_memory(a, tokens, precision)] + [mtp_memory(a, tokens, precision)] * a.mtp_num_layers
+    hidden = _dtype_bytes(precision == "bf16") * a.hidden_size * tokens  # the stage input, or one unkept
+    units = [(m.kept, m.peak) for m in layers + others]
+    kept = hidden + sum(kept for kept, _ in units) - hidden * unkept_hidden_states(a, stage, precision)
+    return kept, max((peak - kept for kept, peak in units), default=0.0)
 
 
 def build_stages(args: ModelArgs, num_stages: int) -> list[Stage]:
@@ -277,17 +318,24 @@ def build_stages(args: ModelArgs, num_stages: int) -> list[Stage]:
     return stages
 
 
-def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> tuple[list[int], list[int]]:
-    """Sizes of the dense and the routed-expert parameter tensors (one EP rank's share) of a pipeline
-    rank holding `stages`, in the order of the trainer's model (built for those parts on the meta
-    device), which is the order ZeRO-1 deals them out in."""
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameter elements of one pipeline rank, by the replica group that holds them."""
+
+    dense: int  # replicated over dp, the embedding included
+    embedding: int  # the embedding's (stage 0's, or the replica the head stage keeps for MTP)
+    expert: int  # this EP rank's share of the routed experts, replicated over expert-dp
+    tensors: int
+
+
+def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> RankParameters:
+    """The parameters of a pipeline rank holding `stages`, as the trainer's model for those parts
+    (built on the meta device) has them."""
     parts = [ModelPart(tuple(s.layers), embedding=s.embedding, head=s.head) for s in stages]
     with torch.device("meta"):
         model = DeepSeekV3(args, parts=parts)
-    dense, expert = [], []
-    for name, param in model.named_parameters():
-        if is_expert_parameter(name):
-            expert.append(param.numel() // ep)
-        else:
-            dense.append(param.numel())
-    return dense, expert
+    named = dict(model.named_parameters())
+    expert = sum(param.numel() // ep for name, param in named.items() if is_expert_parameter(name))
+    dense = sum(param.numel() for name, param in named.items() if not is_expert_parameter(name))
+    embedding = named[EMBEDDING].numel() if EMBEDDING in named else 0
+    return RankParameters(dense=dense, embedding=embedding, expert=expert, tensors=len(named))

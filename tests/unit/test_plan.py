@@ -18,9 +18,11 @@ from moe_train import plan
 from moe_train.config import load_config
 from moe_train.memory_limits import MemoryLimit
 from moe_train.optim import build_optimizer
-from moe_train.plan_stages import head_memory, layer_memory
+from moe_train.plan_stages import RankParameters, Stage, build_stages, head_memory, layer_memory, rank_parameters, \
+    stage_activation_bytes
 from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
+from parallel.mixed_precision import use_bf16_parameters
 from parallel.pipeline.builders import build
 from parallel.pipeline.timeline import simulate
 from tests.unit.live_memory import LiveStorage
@@ -37,7 +39,7 @@ def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys):
     assert "every decoder layer recomputed in backward" in out
     assert "pp 16 x dp 128; ep 64 (8 node(s) per EP group), expert-dp 2" in out
     assert "schedule: dualpipe, 16 stages on 16 ranks" in out
-    assert "fits: at most 74.2 GiB per GPU" in out  # the README's figure
+    assert "fits: at most 48.8 GiB per GPU" in out  # the README's figure
 
 
 def test_dsv3_without_recomputation_fails_on_activations(capsys):
@@ -46,20 +48,22 @@ def test_dsv3_without_recomputation_fails_on_activations(capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "--gpu-memory-gib: pp rank(s) 0,15 need" in err and "largest part: activations" in err
-    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 313.2 GiB" in err  # the README's figure
+    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 239.0 GiB" in err  # the README's figure
 
 
 def test_dsv3_with_the_papers_selective_recompute_prints_how_far_it_is(capsys):
-    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act] under bf16 autocast."""
+    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act] and bf16 parameters."""
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
                       "--set", "model.recompute_modules=[layernorm,mla_up_proj,moe_act]"])
     captured = capsys.readouterr()
     assert code == 2
     assert "selective recompute in backward: layernorm, mla_up_proj, moe_act" in captured.out
     rows = [" ".join(line.split()) for line in captured.out.splitlines()]
-    assert "0 0,15 4.93B 0.53B 18.4 0.0 18.4 9.1 180.4 17 2.3 228.6" in rows
-    assert "1 1,14 3.27B 1.41B 12.2 0.0 12.2 6.1 188.2 17 2.3 221.1" in rows
-    assert "pp rank(s) 0,15 need 232.6 GiB > 80 GiB; largest part: activations 180.4 GiB" in captured.err
+    assert "0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 89.2 17 2.3 120.8" in rows
+    assert "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 120.3 17 2.3 144.9" in rows
+    assert "pp rank(s) 0,15 need 124.8 GiB > 80 GiB; largest part: activations 89.2 GiB" in captured.err
+    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 148.9 GiB > 80 GiB; largest part: activations 120.3 GiB" \
+        in captured.err
 
 
 @pytest.mark.parametrize("nodes, gpus, key", [(3, 8, "parallel.pp"), (256, 4, "parallel.gpus_per_node")])
@@ -97,24 +101,41 @@ def test_planned_adam_bytes_equal_the_state_of_a_real_step(moment_dtype, per_ele
     held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
     sizes = [p.numel() for p in model.parameters()]
     assert held == per_element * sum(sizes) + 4 * len(sizes)
-    assert plan._adam_bytes(sizes, [], dp=1, ep=1, zero1=False, per_element=plan.moment_bytes(config)) == held
+    params = rank_parameters(config.model, build_stages(config.model, 1), ep=1)
+    owned = plan.owned_elements(params, dp=1, ep=1, zero1=False, pair=1, embedding_pair=1)
+    assert owned == sum(sizes) and plan.optimizer_bytes(config, params, owned) == held
 
 
-def test_zero1_adam_bytes_are_those_of_the_rank_dealt_the_most():
-    # tensors of 10, 6 and 4 elements over dp 2: rank 0 owns the 10, rank 1 the 6 and the 4 (one more step count)
-    assert plan._adam_bytes([10, 6, 4], [], dp=2, ep=1, zero1=True, per_element=8) == 8 * 10 + 2 * 4
-    assert plan._adam_bytes([10, 6, 4], [], dp=2, ep=1, zero1=True, per_element=4) == 4 * 10 + 2 * 4
+def test_zero1_shards_are_even_element_ranges():
+    """Megatron's distributed optimizer: each replica group's elements split evenly over its ranks
+    (ceil(n / D) each), tensors cut anywhere; not whole tensors dealt to the least-loaded rank, which
+    gives one rank the whole 12-element tensor below."""
+    def owned(dense, embedding=0, expert=0, dp=2, ep=1, pair=1, embedding_pair=1):
+        params = RankParameters(dense=dense, embedding=embedding, expert=expert, tensors=3)
+        return plan.owned_elements(params, dp, ep, zero1=True, pair=pair, embedding_pair=embedding_pair)
+
+    assert owned(12 + 2 + 2) == 8  # tensors of 12, 2 and 2 elements over dp 2
+    assert owned(17) == 9  # an odd count: the last rank's range is one element short
+    assert owned(0, expert=12, dp=8, ep=2) == 3  # experts over expert-dp = 8 / 2
+    assert owned(16, expert=12, dp=4, ep=2, pair=2) == 16 // 8 + 12 // 4  # DualPipe pairs: twice the ranks
+    assert owned(20, embedding=8, dp=2, embedding_pair=2) == 12 // 2 + 8 // 4  # a tied embedding replica
+    assert plan.owned_elements(RankParameters(dense=16, embedding=4, expert=6, tensors=3), dp=2, ep=1, zero1=False,
+                               pair=2, embedding_pair=2) == 22  # without ZeRO-1 a rank steps all of its parameters
 
 
-def test_start_up_memory_check_counts_12_bytes_per_parameter_with_bf16_moments():
-    """fp32 weights and gradients plus the moments: 16 bytes per parameter, 12 with bf16 moments."""
-    states = {}
-    for moment_dtype in ("fp32", "bf16"):
-        config = load_config(DSV3, [f"optim.moment_dtype={moment_dtype}"])
-        [(key, message)] = plan.start_up_memory_problems(config, 256, MemoryLimit(0.0, "a test"), "test memory")
-        assert key == "memory"
-        states[moment_dtype] = float(re.search(r"and Adam state ([0-9.]+) GiB", message).group(1))
-    assert states["bf16"] / states["fp32"] == pytest.approx(12 / 16, abs=1e-3)
+@pytest.mark.parametrize("precision, moment_dtype, per_parameter", [
+    ("fp32", "fp32", 4 + 4 + 8), ("fp32", "bf16", 4 + 4 + 4),  # weights, gradients, moments
+    ("bf16", "fp32", 2 + 4 + 4 + 8), ("bf16", "bf16", 2 + 4 + 4 + 4)])  # + fp32 main parameters
+def test_start_up_memory_check_counts_the_bytes_per_parameter_of_each_precision(precision, moment_dtype, per_parameter):
+    """The lower bound spreads every parameter's bytes evenly over the processes: bf16 weights with fp32
+    main gradients, main parameters and moments (Megatron's mixed precision), or fp32 weights, gradients
+    and moments."""
+    config = load_config(DSV3, [f"train.precision={precision}", f"optim.moment_dtype={moment_dtype}"])
+    [(key, message)] = plan.start_up_memory_problems(config, 256, MemoryLimit(0.0, "a test"), "test memory")
+    assert key == "memory"
+    counts = count_parameters(config.model)
+    expected = per_parameter * (counts.total + counts.mtp_total) / 256 / plan.GIB
+    assert float(re.search(r"and Adam state ([0-9.]+) GiB", message).group(1)) == pytest.approx(expected, abs=0.05)
 
 
 def test_rank_parameters_sum_to_the_model_total():
@@ -132,9 +153,14 @@ def test_dualpipe_ranks_hold_two_mirrored_stages_of_dsv3():
     total = count_parameters(config.model).total_with_mtp
     assert sum(r.dense_params + r.expert_params * 64 for r in result.ranks) == 2 * total
     assert [len(s.layers) for s in result.stages] == [4] * 15 + [1]
-    # ZeRO-1 deals whole tensors: the dp rank that gets pp rank 0's embedding holds far more than a share
-    assert result.ranks[0].optimizer / plan.GIB == pytest.approx(9.1, abs=0.05)  # the README's figure
-    assert result.ranks[0].optimizer > 4 * 8 * result.ranks[0].params / result.dp
+    # bf16 weights and fp32 main gradients of every element; fp32 main parameters and fp32 moments of an
+    # even ZeRO-1 share: a pair of mirrored ranks shards dense parameters over 2 x dp 128 and experts over
+    # 2 x expert-dp 2 (rounding up: under an element per group; and a 4-byte step count per tensor, < 200)
+    for rank in result.ranks:
+        assert (rank.weights, rank.grads) == (2 * rank.params, 4 * rank.params)
+        share = rank.dense_params / (2 * 128) + rank.expert_params / (2 * 2)
+        assert rank.main_params == pytest.approx(4 * share, abs=4 * 2)
+        assert rank.optimizer == pytest.approx(8 * share, abs=8 * 2 + 4 * 200)
 
 
 def test_weighted_memory_walk_matches_the_simulator():
@@ -154,16 +180,27 @@ DSV3_16TH = ModelArgs(hidden_size=448, ffn_hidden_size=1152, num_attention_heads
 TOKENS = 256
 
 
-def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], precision: str, seed: int) -> tuple[int, int]:
+def _as_trained(block: nn.Module, precision: str) -> nn.Module:
+    """`block` as train.precision keeps it: fp32 as built, or bf16 parameters with fp32 main gradients."""
+    if precision == "bf16":
+        use_bf16_parameters(block)
+    return block
+
+
+def _hidden_state(args: ModelArgs, precision: str, generator: torch.Generator) -> torch.Tensor:
+    """A micro-batch's hidden state in the parameters' dtype, as a stage receives it."""
+    h = torch.randn(1, TOKENS, args.hidden_size, generator=generator)
+    return h.to(torch.bfloat16 if precision == "bf16" else torch.float32).requires_grad_()
+
+
+def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], seed: int) -> tuple[int, int]:
     """(bytes `forward` of `block` allocates and keeps, the most alive during it and its backward)
-    for one micro-batch; parameters and their pre-made gradients are not counted. `precision` bf16
-    runs it under bf16 autocast (what the planner's bf16 terms model), anything else as it is."""
+    for one micro-batch; parameters, their pre-made gradients and fp32 main gradients are not counted."""
     print(f"seed {seed}")
     for param in block.parameters():
         param.grad = torch.zeros_like(param)
     with LiveStorage() as memory:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = forward()
+        out = forward()
         kept = memory.live()
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype))
         del out
@@ -176,46 +213,45 @@ def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], precision: s
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_layer_memory_matches_a_measured_decoder_layer(moe, modules, precision):
     """A real layer's allocations on CPU against `layer_memory` at the same shapes, for each recompute
-    module: kept until the backward (with full recomputation: the layer's output, 4d per token) and
-    the peak, within 1%."""
+    module, fp32 and with bf16 parameters: kept until the backward (with full recomputation: the
+    layer's output, b d per token) and the peak, within 1%."""
     args = dataclasses.replace(DSV3_16TH, recompute_modules=modules)
     seed = 7
     torch.manual_seed(seed)
-    layer = DecoderLayer(args, moe=moe).train()
-    h = torch.randn(1, TOKENS, args.hidden_size, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    layer = _as_trained(DecoderLayer(args, moe=moe).train(), precision)
+    h = _hidden_state(args, precision, torch.Generator().manual_seed(seed))
     cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
-    kept, peak = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), precision, seed)
+    kept, peak = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), seed)
     planned = layer_memory(args, moe, TOKENS, precision)
     assert planned.kept == pytest.approx(kept, rel=0.01)
     assert planned.peak == pytest.approx(peak, rel=0.01)
 
 
 def test_selective_recompute_with_bf16_parameters_keeps_under_60_percent():
-    """The README's measured figure: a MoE layer with bf16 parameters (no autocast) at DeepSeek-V3's
-    proportions keeps 51.3 KB per token, 29.0 KB with the three modules."""
+    """The README's measured figure: a MoE layer with bf16 parameters at DeepSeek-V3's proportions
+    keeps 51.3 KB per token, 29.0 KB with the three modules."""
     kept = {}
     for modules in ([], ["layernorm", "mla_up_proj", "moe_act"]):
         args = dataclasses.replace(DSV3_16TH, recompute_modules=modules)
         torch.manual_seed(7)
-        layer = DecoderLayer(args, moe=True).train().to(torch.bfloat16)
-        h = torch.randn(1, TOKENS, args.hidden_size, generator=torch.Generator().manual_seed(7))
-        h = h.to(torch.bfloat16).requires_grad_()
+        layer = _as_trained(DecoderLayer(args, moe=True).train(), "bf16")
+        h = _hidden_state(args, "bf16", torch.Generator().manual_seed(7))
         cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
-        kept[len(modules)], _ = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), "bf16-params", 7)
+        kept[len(modules)], _ = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), 7)
     print({k: v / TOKENS for k, v in kept.items()})
     assert kept[0] / TOKENS == pytest.approx(51289, rel=0.01) and kept[3] / TOKENS == pytest.approx(29001, rel=0.01)
 
 
 def test_selective_recompute_saves_what_the_paper_says_at_dsv3_scale():
-    """The 671B layer (bf16, 4,096 tokens, 4 local experts): each module lowers the kept bytes, and
-    together they keep less than any one of them; `full` keeps only the layer's input."""
+    """The 671B layer (bf16 parameters, 4,096 tokens, 4 local experts): each module lowers the kept
+    bytes, and together they keep less than any one of them; `full` keeps only the layer's bf16 input."""
     args, tokens = load_config(DSV3).model, 4096
     kept = {tuple(m): layer_memory(dataclasses.replace(args, recompute_modules=m), True, tokens, "bf16", 4).kept
             for m in ([], ["layernorm"], ["mla_up_proj"], ["moe_act"], ["layernorm", "mla_up_proj", "moe_act"],
                       ["full"])}
     singles = [kept[("layernorm",)], kept[("mla_up_proj",)], kept[("moe_act",)]]
     assert max(singles) < kept[()] and kept[("layernorm", "mla_up_proj", "moe_act")] < min(singles)
-    assert kept[("full",)] == 4 * args.hidden_size * tokens
+    assert kept[("full",)] == 2 * args.hidden_size * tokens
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -224,14 +260,48 @@ def test_head_memory_matches_the_measured_norm_head_and_loss(precision):
     seed = 8
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    h = torch.randn(1, TOKENS, args.hidden_size, generator=generator, requires_grad=True)
+    h = _hidden_state(args, precision, generator)
     labels = torch.randint(0, args.vocab_size, (1, TOKENS), generator=generator)
     head_part = ModelPart((), embedding=False, head=True)
     head = DeepSeekV3(dataclasses.replace(args, mtp_num_layers=0), parts=[head_part])  # the final norm and LM head
-    kept, peak = _measure(head, lambda: head(labels, labels, hidden=h, part=head_part).prediction_loss, precision, seed)
+    head = _as_trained(head, precision)
+    kept, peak = _measure(head, lambda: head(labels, labels, hidden=h, part=head_part).prediction_loss, seed)
     planned = head_memory(args, TOKENS, precision)
     assert planned.kept == pytest.approx(kept, rel=0.03)
     assert planned.peak == pytest.approx(peak, rel=0.03)
+
+
+# Two stages of a 3-layer model (one dense layer first) with MTP: the embedding and two layers, then a
+# layer, the head and the MTP depth
+STAGES = [Stage(0, range(0, 2), embedding=True, head=False, moe_layers=1),
+          Stage(1, range(2, 3), embedding=False, head=True, moe_layers=2)]
+
+
+@pytest.mark.parametrize("modules", [[], ["layernorm", "mla_up_proj", "moe_act"]], ids=["none", "paper"])
+@pytest.mark.parametrize("stage", STAGES, ids=["first", "head"])
+def test_stage_memory_matches_a_measured_stage(stage, modules):
+    """A real stage's kept bytes with bf16 parameters against `stage_activation_bytes`, within 1%: its
+    layers in a row (a layer's output goes unless the next layer keeps its input: `unkept_hidden_states`)
+    and on the head stage the head and an MTP depth (`mtp_memory`). A received input exists before the
+    forward: not measured."""
+    args = dataclasses.replace(DSV3_16TH, vocab_size=8000, num_layers=3, mtp_num_layers=1, recompute_modules=modules)
+    precision = "bf16"
+    seed = 9
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (1, TOKENS), generator=generator)
+    h = None if stage.embedding else _hidden_state(args, precision, generator)
+    part = ModelPart(tuple(stage.layers), embedding=stage.embedding, head=stage.head)
+    model = _as_trained(DeepSeekV3(args, parts=[part]).train(), precision)
+
+    def forward() -> torch.Tensor:
+        out = model(tokens, tokens, hidden=h, part=part, aux_grad_scale=1.0)
+        return out.prediction_loss if stage.head else out.hidden
+
+    kept, _ = _measure(model, forward, seed)
+    planned, _ = stage_activation_bytes(args, stage, TOKENS, precision)
+    received = 0 if h is None else h.numel() * h.element_size()
+    assert planned - received == pytest.approx(kept, rel=0.01)
 
 
 def test_traffic_formula_matches_the_measured_backends():
