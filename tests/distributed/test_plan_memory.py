@@ -1,7 +1,7 @@
 """`python -m moe_train.plan`'s parameters, gradients and Adam state equal a real run's, byte for byte:
 the tiny config on EP 2 x PP 2 (4 gloo processes, ZeRO-1 over dp 2), the stage cut the planner
-assumes (layers 0-2 | layer 3, head and MTP). Adam state is its two moments; the step count, 4 bytes
-per owned piece of a parameter, is not planned."""
+assumes (layers 0-2 | layer 3, head and MTP). Adam state is its two moments plus a 4-byte step count per
+owned piece of a parameter, which the planner bounds by one per tensor."""
 from moe_train import plan
 from moe_train.train import Trainer
 from parallel.data_parallel import is_expert_parameter
@@ -32,7 +32,8 @@ def state_bytes(cache_dir: str, run_dir: str) -> dict:
                "weights": _bytes(params), "grads": _bytes(current_grad(p) for p in params)}
         trainer.apply_update()
         out["adam"] = _bytes(t for state in trainer.optimizer.state.values() for k, t in state.items() if k != "step")
-        out["steps"] = len(trainer.optimizer.state)  # one 4-byte step count per piece, not planned
+        out["steps"] = len(trainer.optimizer.state)  # one 4-byte step count per piece
+        out["tensors"] = len(named)
         return out
     finally:
         if trainer is not None:
@@ -53,5 +54,8 @@ def test_planned_parameters_gradients_and_adam_state_equal_the_trainers(pools, c
         assert rank.main_params == 0  # fp32: the parameters are the master weights
         # ZeRO-1 cuts each bucket evenly: the first dp rank's share is the planned one, the last one's
         # falls short by the bucket's padding (fewer than dp elements per bucket)
-        assert max(m["adam"] for m in mine) == rank.optimizer, (rank, mine)
-        assert rank.optimizer - min(m["adam"] for m in mine) < 8 * 2 * 4, (rank, mine)
+        # the planner bounds the step counts by one per tensor of the rank (a piece per tensor at most)
+        steps = 4 * mine[0]["tensors"]
+        assert max(m["adam"] for m in mine) == rank.optimizer - steps, (rank, mine)
+        assert rank.optimizer - steps - min(m["adam"] for m in mine) < 8 * 2 * 4, (rank, mine)
+        assert all(m["adam"] + 4 * m["steps"] <= rank.optimizer for m in mine), (rank, mine)

@@ -22,7 +22,7 @@ from moe_train.plan_stages import RankParameters, Stage, build_stages, head_memo
     stage_activation_bytes
 from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
-from parallel.mixed_precision import use_bf16_parameters
+from parallel.data_parallel import build_buffers
 from parallel.pipeline.builders import build
 from parallel.pipeline.timeline import simulate
 from tests.unit.live_memory import LiveStorage
@@ -94,10 +94,8 @@ def test_planned_adam_bytes_equal_the_state_of_a_real_step(moment_dtype, per_ele
     4-byte step count per tensor after a step, and the planner counts exactly that."""
     config = load_config(TINY, [f"optim.moment_dtype={moment_dtype}"])
     model = DeepSeekV3(config.model)
-    optimizer = build_optimizer(model, config.optim)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
+    optimizer = build_optimizer(model, build_buffers(model, None, torch.float32, shard=False), config.optim)
+    optimizer.step()  # one process: one piece per parameter, its gradient the zero main grad
     held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
     sizes = [p.numel() for p in model.parameters()]
     assert held == per_element * sum(sizes) + 4 * len(sizes)
@@ -183,7 +181,7 @@ TOKENS = 256
 def _as_trained(block: nn.Module, precision: str) -> nn.Module:
     """`block` as train.precision keeps it: fp32 as built, or bf16 parameters with fp32 main gradients."""
     if precision == "bf16":
-        use_bf16_parameters(block)
+        build_buffers(block, None, torch.bfloat16, shard=False)
     return block
 
 
