@@ -212,7 +212,8 @@ def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], seed: int) -
 def test_layer_memory_matches_a_measured_decoder_layer(moe, modules, precision):
     """A real layer's allocations on CPU against `layer_memory` at the same shapes, for each recompute
     module, fp32 and with bf16 parameters: kept until the backward (with full recomputation: the
-    layer's output, b d per token) and the peak, within 1%."""
+    layer's output, b d per token) within 0.1% (every term is exact: they agree to 1e-5) and the peak
+    within 0.5% (they agree within 0.12%), so that a small term missing shows."""
     args = dataclasses.replace(DSV3_16TH, recompute_modules=modules)
     seed = 7
     torch.manual_seed(seed)
@@ -221,8 +222,8 @@ def test_layer_memory_matches_a_measured_decoder_layer(moe, modules, precision):
     cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
     kept, peak = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), seed)
     planned = layer_memory(args, moe, TOKENS, precision)
-    assert planned.kept == pytest.approx(kept, rel=0.01)
-    assert planned.peak == pytest.approx(peak, rel=0.01)
+    assert planned.kept == pytest.approx(kept, rel=0.001)
+    assert planned.peak == pytest.approx(peak, rel=0.005)
 
 
 def test_selective_recompute_with_bf16_parameters_keeps_under_60_percent():
