@@ -200,9 +200,9 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     dp = world // p.pp
     schedule = _schedule(config, dp)
     try:
-        stages = build_stages(a, schedule.num_stages)
+        stages = build_stages(a, schedule.num_stages, p.pipeline_layout, p.first_stage_layers, p.last_stage_layers)
     except ValueError as err:
-        raise ConfigError([("parallel.pp", str(err))]) from None
+        raise ConfigError([("parallel.pipeline_layout" if p.pipeline_layout else "parallel.pp", str(err))]) from None
     timeline = simulate(schedule)
     per_stage = {s.index: _stage_activation_bytes(config, s) for s in stages}
     tokens = t.micro_batch_size * t.seq_length
@@ -230,6 +230,11 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
                        tuple(a.recompute_modules))
 
 
+# What recomputation to suggest when activations do not fit, lightest first (each unless already set).
+RECOMPUTE_HINTS = ((("layernorm", "mla_up_proj", "moe_act"), "[layernorm,mla_up_proj,moe_act]"),
+                   ((FULL_RECOMPUTE,), "[full]"))
+
+
 def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -> list[tuple[str, str]]:
     """One problem per distinct overflow, naming the pipeline ranks and their largest memory part."""
     overflows: dict[tuple[float, str, float], list[int]] = {}
@@ -241,9 +246,10 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
                              key=lambda item: item[1])
             overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
     problems = []
+    recompute = " or ".join(f"model.recompute_modules={option}" for modules, option in RECOMPUTE_HINTS
+                            if not set(modules) <= set(plan.recompute))
     for (need, part, size), ranks in overflows.items():
-        hint = ("try model.recompute_modules=[layernorm,mla_up_proj,moe_act] or [full], a smaller "
-                "train.micro_batch_size or train.seq_length"
+        hint = (f"try {recompute + ', ' if recompute else ''}a smaller train.micro_batch_size or train.seq_length"
                 if part == "activations" else "try more pipeline stages or a larger parallel.ep")
         problems.append(("--gpu-memory-gib", f"pp rank(s) {','.join(map(str, ranks))} need {need:.1f} GiB "
                                              f"> {gpu_memory_gib:g} GiB; largest part: {part} {size:.1f} GiB ({hint})"))

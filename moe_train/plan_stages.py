@@ -1,8 +1,8 @@
 """What each pipeline stage holds: layers, parameters (dense / routed experts) and activations.
 
-Stage split: the decoder layers, then the MTP depths, then the head count as units, cut into
-contiguous stages as evenly as possible, the longer stages first; the embedding sits on stage 0,
-the final norm, head and MTP on the last stage. A rank's parameters come from the trainer's model of
+Stage split: the trainer's (parallel.pipeline.stage.stage_specs: `parallel.pipeline_layout`, or
+`first_stage_layers` / `last_stage_layers` and the rest evenly); the embedding sits on stage 0, the
+final norm, head and MTP on the last stage. A rank's parameters come from the trainer's model of
 its stages built on the meta device (no memory), so they are independent of model/flops.py's
 closed forms.
 
@@ -64,6 +64,7 @@ from model.args import FULL_RECOMPUTE, ModelArgs
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
 from parallel.pipeline.replicas import EMBEDDING
+from parallel.pipeline.stage import stage_specs
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,6 @@ class Stage:
     embedding: bool
     head: bool  # final norm, LM head and the MTP depths
     moe_layers: int
-
-
-def split_units(num_units: int, num_stages: int) -> list[range]:
-    """Contiguous, as-even-as-possible ranges of units, the longer ones first."""
-    base, extra = divmod(num_units, num_stages)
-    bounds, start = [], 0
-    for stage in range(num_stages):
-        stop = start + base + (stage < extra)
-        bounds.append(range(start, stop))
-        start = stop
-    return bounds
 
 
 @dataclass(frozen=True)
@@ -301,20 +291,17 @@ def stage_activation_bytes(a: ModelArgs, stage: Stage, tokens: int, precision: s
     return kept, max((peak - kept for kept, peak in units), default=0.0)
 
 
-def build_stages(args: ModelArgs, num_stages: int) -> list[Stage]:
-    """The model cut into `num_stages` chunks (see the module docstring for the rule)."""
-    units = args.num_layers + args.mtp_num_layers + 1
-    if units < num_stages:
-        raise ValueError(f"{args.num_layers} layers, {args.mtp_num_layers} MTP depths and the head "
-                         f"cannot fill {num_stages} pipeline stages")
+def build_stages(args: ModelArgs, num_stages: int, layout: str | None = None, first: int | None = None,
+                 last: int | None = None) -> list[Stage]:
+    """The model cut into `num_stages` chunks as the trainer cuts it (ValueError when it cannot be)."""
     mtp_moe = args.mtp_num_layers if args.num_moe_experts > 0 else 0
     stages = []
-    for index, unit_range in enumerate(split_units(units, num_stages)):
-        layers = range(unit_range.start, min(unit_range.stop, args.num_layers))
-        head = index == num_stages - 1
-        moe_layers = sum(args.is_moe_layer(i) for i in layers)
-        stages.append(Stage(index=index, layers=layers, embedding=index == 0, head=head,
-                            moe_layers=moe_layers + mtp_moe * head))
+    for index, spec in enumerate(stage_specs(args, num_stages, layout, first, last)):
+        layers = range(spec.layers[0], spec.layers[-1] + 1) if spec.layers else range(0)
+        if tuple(layers) != spec.layers:
+            raise ValueError(f"stage {index}: layers {list(spec.layers)} are not contiguous")
+        stages.append(Stage(index=index, layers=layers, embedding=spec.embedding, head=spec.loss,
+                            moe_layers=sum(args.is_moe_layer(i) for i in layers) + mtp_moe * spec.loss))
     return stages
 
 
