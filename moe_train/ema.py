@@ -1,18 +1,19 @@
 """EMA of the parameters in CPU memory (DeepSeek-V3 §3.2.3), updated in the background after each step.
 
-`update`, called after every optimizer step, copies the fp32 master value of each parameter it covers
-(`moe_train.optim.master_weights`) into a host buffer: on CUDA without waiting for the device
-(non_blocking into pinned memory, then an event), on a CPU as a plain snapshot. One background thread
-then folds it in, ema = decay * ema + (1 - decay) * param, in fp32. One update is in flight at most:
-the next update, a save (`wait`) and the end of the run (`close`) wait for it, and an exception of the
-thread is raised at that wait as an EMAError. No EMA tensor is ever on the device.
+`update`, called after every optimizer step, copies the fp32 master value of each piece it covers
+(`DistributedOptimizer.master_weights`: one range of a parameter per entry) into a host buffer: on
+CUDA without waiting for the device (non_blocking into pinned memory, then an event), on a CPU as a
+plain snapshot. One background thread then folds it in, ema = decay * ema + (1 - decay) * param, in
+fp32. One update is in flight at most: the next update, a save (`wait`) and the end of the run
+(`close`) wait for it, and an exception of the thread is raised at that wait as an EMAError. No EMA
+tensor is ever on the device.
 
-Memory: each rank keeps the EMA of the parameters its optimizer owns, i.e. of its ZeRO-1 shard with
-`parallel.zero1` (whole tensors; the dp ranks hold one copy between them, so host memory per rank
-divides by dp), or of every parameter it holds without ZeRO-1. That is 8 bytes per covered parameter:
-the fp32 average and the fp32 buffer the copy lands in. In a checkpoint the owners write
-`ema.<parameter name>` (routed experts split per expert, as the model), so a resume into another
-layout works as for the optimizer state: each rank loads the keys it owns there.
+Memory: each rank keeps the EMA of the elements its optimizer owns, i.e. of its ZeRO-1 ranges with
+`parallel.zero1` (the dp ranks hold one copy between them, so host memory per rank divides by dp),
+or of every parameter it holds without ZeRO-1. That is 8 bytes per covered element: the fp32
+average and the fp32 buffer the copy lands in. In a checkpoint the owners write their ranges of
+`ema.<parameter name>` (routed experts split per expert, as the model; parallel.sharded_state), so a
+resume into another layout works as for the optimizer state: each rank loads the ranges it owns there.
 
 A skipped step (non-finite gradient norm; the optimizer skips on the device) leaves the parameters
 as they were, and its update folds in those unchanged values: the EMA is always the recurrence over
