@@ -1,0 +1,372 @@
+"""FP8 (E4M3) GEMMs as DeepSeek-V3 trains them (§3.3): fine-grained quantization, the blockwise GEMM
+and the autograd Functions of the FP8 Linear and grouped expert Linear (`Fp8GemmOps`).
+
+What this module owns:
+
+- **Quantization.** A tile of 128 consecutive elements along the last dimension of one row (1x128,
+  activations and gradients) or of 128 rows (128x128, weights) shares one fp32 scale:
+  scale = amax / 448, so the tile's largest magnitude maps to E4M3's largest finite value. The
+  quantized value is x / scale clamped to +-448, then cast (round to nearest even); the clamp is
+  explicit, the cast's overflow behaviour is never relied on. With `power_of_two_scale` the scale
+  is rounded up to a power of two (nothing can overflow, and dequantization is exact).
+  Rules for the edge cases:
+  - an all-zero tile gets scale 1 and zero values (no division by zero);
+  - an amax so small that amax / 448 is below fp32's smallest normal (2^-126) gets scale 2^-126,
+    so the scale never underflows to zero or loses precision;
+  - a tile holding inf or NaN gets a non-finite scale (inf or NaN), so every value it dequantizes to
+    is NaN: the GEMM's output is non-finite and the trainer's non-finite step guard skips the step.
+  - dimensions that are not a multiple of 128 are padded with zeros internally, as the paper's
+    kernels pad K: the last tile along a dimension is shorter, with the scale its zero-padded tile
+    would have. The quantized tensor keeps the input's shape.
+- **The 128x1 tiling** that the weight-gradient GEMM needs (128 rows x 1 column) is the 1x128 tiling
+  of the transposed tensor: `quantize_128x1(x)` returns it transposed, [K, M], so that every GEMM
+  here contracts along the last dimension of both operands. For the grouped GEMM the tiles restart
+  at each group: every group's rows are padded to a whole number of 128-row tiles.
+- **The blockwise GEMM**, a @ b^T with both operands tiled along the contraction dimension: torch's
+  blockwise `scaled_mm` on a device that runs it (`blockwise_scaled_mm_supported`), otherwise an
+  exact emulation: dequantize per tile, one FP32 GEMM per 128-wide chunk of K, partial sums
+  accumulated in FP32 (the paper promotes to FP32 every 128 elements of K). The grouped GEMMs are
+  emulated on every device in this increment.
+- **FP8 activation caching.** The Functions save the FP8 tensors the backward consumes (the input
+  in the 128x1 tiling, the weight in 128x128 blocks), never a high-precision copy of the input.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model.layers import GemmOps, gemm_dtype, grouped_mm
+
+E4M3_MAX = 448.0
+TILE = 128
+MIN_SCALE = 2.0 ** -126  # fp32's smallest normal
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """E4M3 values [..., rows, cols] and the fp32 scales of their tiles [..., ceil(rows / block_rows),
+    ceil(cols / 128)]: an element is data * its tile's scale. Tiles run along the last dimension,
+    128 wide; `block_rows` consecutive rows (1 or 128) share a scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_rows: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> Fp8Tensor:
+        """The transpose of a 128x128-block tensor, which is the 128x128 quantization of the transpose."""
+        if self.block_rows != TILE:
+            raise ValueError("only 128x128 blocks transpose into a tiling along the other dimension")
+        return Fp8Tensor(self.data.transpose(-2, -1), self.scale.transpose(-2, -1), TILE)
+
+
+def _ceil_div(a: int | torch.Tensor, b: int) -> int | torch.Tensor:
+    return -(-a // b)
+
+
+def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(v)) of positive normal floats, exactly (from frexp, since a float log2 rounds
+    2^k (1 + 2^-23) down to k)."""
+    mantissa, exponent = torch.frexp(values)  # values = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(values), torch.where(mantissa == 0.5, exponent - 1, exponent))
+
+
+def tile_scales(amax: torch.Tensor, power_of_two_scale: bool = False) -> torch.Tensor:
+    """fp32 scales from tile amaxes, with the module docstring's rules for zero, tiny and non-finite
+    amaxes (clamp and where propagate NaN and inf; frexp of them would not, hence the isfinite)."""
+    scale = torch.where(amax == 0, 1.0, (amax.float() / E4M3_MAX).clamp(min=MIN_SCALE))
+    if power_of_two_scale:
+        scale = torch.where(scale.isfinite(), power_of_two_ceil(scale), scale)
+    return scale
+
+
+def _pad_to_tiles(x: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Zeros appended to the last dimension (and the rows, for 128-row blocks) up to whole tiles."""
+    rows, cols = x.shape[-2:]
+    return F.pad(x, (0, _ceil_div(cols, TILE) * TILE - cols, 0, _ceil_div(rows, block_rows) * block_rows - rows))
+
+
+def quantize_tiles(x: torch.Tensor, block_rows: int, power_of_two_scale: bool = False) -> Fp8Tensor:
+    """x [..., rows, cols] -> E4M3 with one scale per `block_rows` x 128 tile along the last dimension."""
+    if block_rows not in (1, TILE):
+        raise ValueError(f"tiles have 1 or {TILE} rows, got {block_rows}")
+    if x.dim() < 2:
+        raise ValueError(f"quantization tiles a matrix [..., rows, cols], got shape {tuple(x.shape)}")
+    rows, cols = x.shape[-2:]
+    padded = _pad_to_tiles(x.detach().float(), block_rows)
+    tiles = padded.unflatten(-1, (-1, TILE)).unflatten(-3, (-1, block_rows))  # [..., Rb, block_rows, Cb, 128]
+    scale = tile_scales(tiles.abs().amax(dim=(-3, -1)), power_of_two_scale)
+    scaled = tiles / scale.unsqueeze(-1).unsqueeze(-3)
+    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).flatten(-2).flatten(-3, -2)
+    return Fp8Tensor(data[..., :rows, :cols].contiguous(), scale, block_rows)
+
+
+def quantize_1x128(x: torch.Tensor, power_of_two_scale: bool = False) -> Fp8Tensor:
+    """Activations and gradients: one scale per row per 128 channels of the last dimension (K)."""
+    return quantize_tiles(x, 1, power_of_two_scale)
+
+
+def quantize_128x128(weight: torch.Tensor, power_of_two_scale: bool = False) -> Fp8Tensor:
+    """Weights [..., out, in]: one scale per 128x128 block (per group for a grouped weight [G, out, in])."""
+    return quantize_tiles(weight, TILE, power_of_two_scale)
+
+
+def quantize_128x1(x: torch.Tensor, power_of_two_scale: bool = False) -> Fp8Tensor:
+    """x [M, K] in tiles of 128 rows x 1 column, returned transposed ([K, M], 1x128 tiles along M):
+    the operand layout of the weight-gradient GEMM, which contracts over M."""
+    return quantize_1x128(x.t(), power_of_two_scale)
+
+
+def group_tiles(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row goes when every group is padded to whole 128-row tiles, and the group of each tile.
+
+    offsets: int32 cumulative group ends (the last one is `rows`). Returns the padded position of each
+    row [rows] and the group of each tile [tiles]. The tile count is the static bound
+    (rows + 127 G) // 128, so the group sizes are never read on the host; the tiles past the last
+    group's are all zeros, assigned to the last group.
+    """
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles_per_group = _ceil_div(counts, TILE)
+    tile_ends = torch.cumsum(tiles_per_group, 0)
+    padded_starts = (tile_ends - tiles_per_group) * TILE
+    row = torch.arange(rows, device=offsets.device)
+    group = torch.searchsorted(ends, row, right=True)
+    destination = row - (ends - counts)[group] + padded_starts[group]
+    num_tiles = (rows + (TILE - 1) * len(ends)) // TILE
+    tile = torch.arange(num_tiles, device=offsets.device)
+    tile_groups = torch.searchsorted(tile_ends, tile, right=True).clamp(max=len(ends) - 1)
+    return destination, tile_groups
+
+
+def quantize_128x1_grouped(x: torch.Tensor, offsets: torch.Tensor,
+                           power_of_two_scale: bool = False) -> tuple[Fp8Tensor, torch.Tensor]:
+    """x [M, K], rows sorted by group -> (the 128x1 tiling of x with each group's rows padded with zero
+    rows to whole tiles, transposed: [K, 128 * tiles]; the group of each tile [tiles]). A tile never
+    holds rows of two groups, so each group's weight gradient is a sum over its own tiles."""
+    destination, tile_groups = group_tiles(offsets, x.shape[0])
+    padded = x.new_zeros(len(tile_groups) * TILE, x.shape[1]).index_copy(0, destination, x)
+    return quantize_128x1(padded, power_of_two_scale), tile_groups
+
+
+def _row_scales(q: Fp8Tensor) -> torch.Tensor:
+    """The scales of every row [..., rows, ceil(cols / 128)] (a 128x128 block's repeated on its rows)."""
+    return q.scale.repeat_interleave(q.block_rows, dim=-2)[..., :q.shape[-2], :]
+
+
+def dequantize(q: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data * scale in fp32, element by element, then cast to `dtype`."""
+    scales = _row_scales(q).repeat_interleave(TILE, dim=-1)[..., :q.shape[-1]]
+    return (q.data.float() * scales).to(dtype)
+
+
+def dequantized_chunks(q: Fp8Tensor) -> Iterator[torch.Tensor]:
+    """The fp32 dequantized 128-wide chunks of the last dimension (the last one may be narrower)."""
+    scales = _row_scales(q)
+    for chunk in range(scales.shape[-1]):
+        columns = slice(chunk * TILE, (chunk + 1) * TILE)
+        yield q.data[..., columns].float() * scales[..., chunk:chunk + 1]
+
+
+def _check_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
+    if a.block_rows != 1:
+        raise ValueError("the first operand of an FP8 GEMM is tiled 1x128 (activations, gradients)")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError("FP8 GEMM operands contract along their last dimension: "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+
+
+def emulated_fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T: one FP32 GEMM per 128-wide chunk of K on the dequantized tiles, the
+    partial sums accumulated in FP32, cast once to `out_dtype`."""
+    _check_operands(a, b)
+    out = torch.zeros(a.shape[0], b.shape[0], device=a.data.device)
+    with torch.autocast(a.data.device.type, enabled=False):  # autocast would run the chunks in bf16
+        for a_chunk, b_chunk in zip(dequantized_chunks(a), dequantized_chunks(b)):
+            out += a_chunk @ b_chunk.t()
+    return out.to(out_dtype)
+
+
+def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a [M, K] (1x128 tiles) @ b [N, K]^T (128x128 blocks, or 1x128 tiles for the weight gradient)
+    -> [M, N] in `out_dtype`: torch's blockwise kernel where it runs these operands, else the emulation."""
+    if _kernel_takes(a, b, out_dtype) and blockwise_scaled_mm_supported(a.data.device):
+        return _torch_blockwise_mm(a, b, out_dtype)
+    return emulated_fp8_mm(a, b, out_dtype)
+
+
+def fp8_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """a [M, K] (1x128 tiles, rows sorted by group) times b [G, N, K] (128x128 blocks per group):
+    row r of group g is a_r @ b_g^T. Emulated: per 128-wide chunk of K one FP32 grouped GEMM,
+    the partial sums accumulated in FP32."""
+    _check_operands(a, b)
+    out = torch.zeros(a.shape[0], b.shape[-2], device=a.data.device)
+    with torch.autocast(a.data.device.type, enabled=False):
+        for a_chunk, b_chunk in zip(dequantized_chunks(a), dequantized_chunks(b)):
+            out += grouped_mm(a_chunk, b_chunk.transpose(1, 2), offsets)
+    return out.to(out_dtype)
+
+
+def fp8_grouped_weight_grad(a: Fp8Tensor, b: Fp8Tensor, tile_groups: torch.Tensor, num_groups: int,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per group g: a_g @ b_g^T -> [G, N, K], from a [N, R] (grad_y) and b [K, R] (x), both from
+    `quantize_128x1_grouped`: tile t of 128 rows belongs to group tile_groups[t]. Emulated: one FP32
+    GEMM per tile, added in FP32 into its group's gradient (a group with no rows gets zeros)."""
+    _check_operands(a, b)
+    out = torch.zeros(num_groups, a.shape[0], b.shape[0], device=a.data.device)
+    with torch.autocast(a.data.device.type, enabled=False):
+        for tile, (a_chunk, b_chunk) in enumerate(zip(dequantized_chunks(a), dequantized_chunks(b))):
+            out.index_add_(0, tile_groups[tile:tile + 1], (a_chunk @ b_chunk.t()).unsqueeze(0))
+    return out.to(out_dtype)
+
+
+def _has_blockwise_scaled_mm() -> bool:
+    scaling = getattr(F, "ScalingType", None)
+    return hasattr(F, "scaled_mm") and all(
+        hasattr(scaling, name) for name in ("BlockWise1x128", "BlockWise128x128"))
+
+
+def _kernel_takes(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
+    """The shapes torch's blockwise kernel is used for: whole 128-wide K tiles, whole 128-row weight
+    blocks, 16-aligned rows, a bf16 output; everything else is emulated."""
+    return (out_dtype == torch.bfloat16 and a.data.dim() == b.data.dim() == 2 and a.shape[-1] % TILE == 0
+            and a.shape[0] % 16 == 0 and b.shape[0] % (TILE if b.block_rows == TILE else 16) == 0)
+
+
+def _torch_blockwise_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's `scaled_mm` with the scale layouts its blockwise recipes take: a 1x128 scale [M, K/128]
+    column-major; a 128x128 scale [K/128 rounded up to 4, N/128] column-major (padded with ones)."""
+    scaling = F.ScalingType
+    scale_a = a.scale.t().contiguous().t()
+    if b.block_rows == TILE:
+        k_blocks = b.scale.shape[1]
+        scale_b = F.pad(b.scale, (0, _ceil_div(k_blocks, 4) * 4 - k_blocks), value=1.0).t()
+        recipe_b = scaling.BlockWise128x128
+    else:
+        scale_b, recipe_b = b.scale.t().contiguous().t(), scaling.BlockWise1x128
+    return F.scaled_mm(a.data, b.data.t(), scale_a, scaling.BlockWise1x128, scale_b, recipe_b,
+                       output_dtype=out_dtype)
+
+
+def blockwise_scaled_mm_supported(device: torch.device | str) -> bool:
+    """Whether torch's blockwise FP8 `scaled_mm` runs on `device` and agrees with the emulation, for
+    both recipes the GEMMs use (1x128 x 128x128 and 1x128 x 1x128). Probed once per device on a tiny
+    input; a refusal (the CPU build's, or a GPU's without sm_90 support) means False."""
+    device = torch.device(device)
+    return _probe_blockwise_kernel(device.type, device.index)
+
+
+@functools.cache
+def _probe_blockwise_kernel(device_type: str, index: int | None) -> bool:
+    if not _has_blockwise_scaled_mm():
+        return False
+    gen = torch.Generator().manual_seed(0)
+
+    def tiled_randn(rows: int, cols: int) -> torch.Tensor:
+        """Gaussian with a different power-of-two magnitude per 1x128 tile, so a misplaced scale shows."""
+        magnitudes = torch.exp2(torch.randint(-4, 5, (rows, cols // TILE), generator=gen).float())
+        values = torch.randn(rows, cols, generator=gen) * magnitudes.repeat_interleave(TILE, dim=1)
+        return values.to(torch.device(device_type, index))
+
+    a = quantize_1x128(tiled_randn(128, 256))
+    weight = tiled_randn(256, 256)
+    try:
+        for b in (quantize_128x128(weight), quantize_1x128(weight)):
+            got = _torch_blockwise_mm(a, b, torch.bfloat16).float()
+            want = emulated_fp8_mm(a, b, torch.float32)
+            if not torch.allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item()):
+                return False
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _saved(q: Fp8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An FP8 tensor as the two tensors `save_for_backward` takes (None, None when not needed)."""
+    return (None, None) if q is None else (q.data, q.scale)
+
+
+class Fp8LinearFunction(torch.autograd.Function):
+    """y = x W^T with its three GEMMs in FP8: Fprop (x 1x128, W 128x128), Dgrad (grad_y 1x128, W^T
+    128x128), Wgrad (grad_y and x in 128x1 tiles). Saves x in the 128x1 tiling and W in FP8."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, power_of_two_scale: bool) -> torch.Tensor:
+        rows = _flat_rows(x)
+        weight_q = quantize_128x128(weight, power_of_two_scale)
+        x_columns = quantize_128x1(rows, power_of_two_scale) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(weight_q.data, weight_q.scale, *_saved(x_columns))
+        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight_dtype = power_of_two_scale, x.dtype, weight.dtype
+        y = fp8_mm(quantize_1x128(rows, power_of_two_scale), weight_q, gemm_dtype(x, weight))
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        weight_data, weight_scale, x_data, x_scale = ctx.saved_tensors
+        grad_rows = _flat_rows(grad_y)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
+            grad_x = fp8_mm(quantize_1x128(grad_rows, ctx.power_of_two_scale), weight_t, ctx.x_dtype)
+            grad_x = grad_x.reshape(*grad_y.shape[:-1], weight_data.shape[1])
+        if ctx.needs_input_grad[1]:
+            grad_columns = quantize_128x1(grad_rows, ctx.power_of_two_scale)
+            grad_w = fp8_mm(grad_columns, Fp8Tensor(x_data, x_scale, 1), torch.float32).to(ctx.weight_dtype)
+        return grad_x, grad_w, None
+
+
+class Fp8GroupedLinearFunction(torch.autograd.Function):
+    """y_g = x_g W_g^T per group (rows sorted by group, offsets int32 cumulative ends) with its three
+    GEMMs in FP8; the 128x1 tiles of the Wgrad restart at each group (`quantize_128x1_grouped`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                power_of_two_scale: bool) -> torch.Tensor:
+        weight_q = quantize_128x128(weight, power_of_two_scale)
+        x_columns, tile_groups = None, None
+        if ctx.needs_input_grad[1]:
+            x_columns, tile_groups = quantize_128x1_grouped(x, offsets, power_of_two_scale)
+        ctx.save_for_backward(weight_q.data, weight_q.scale, offsets, tile_groups, *_saved(x_columns))
+        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight_dtype = power_of_two_scale, x.dtype, weight.dtype
+        return fp8_grouped_mm(quantize_1x128(x, power_of_two_scale), weight_q, offsets, gemm_dtype(x, weight))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        weight_data, weight_scale, offsets, tile_groups, x_data, x_scale = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
+            grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.power_of_two_scale), weight_t, offsets, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_columns, _ = quantize_128x1_grouped(grad_y, offsets, ctx.power_of_two_scale)
+            grad_w = fp8_grouped_weight_grad(grad_columns, Fp8Tensor(x_data, x_scale, 1), tile_groups,
+                                             weight_data.shape[0]).to(ctx.weight_dtype)
+        return grad_x, grad_w, None, None
+
+
+class Fp8GemmOps(GemmOps):
+    """Every weight GEMM in FP8 E4M3 with fine-grained scales (plain autograd; the pipeline's split
+    B/W backward does not use it yet). The output is in `gemm_dtype` (bf16 with bf16 parameters),
+    the input gradient in the input's dtype, the weight gradient in the weight's."""
+
+    def __init__(self, power_of_two_scales: bool = False) -> None:
+        self.power_of_two_scales = power_of_two_scales
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return Fp8LinearFunction.apply(x, weight, self.power_of_two_scales)
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self.power_of_two_scales)
