@@ -33,7 +33,7 @@ What this module owns:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -299,17 +299,43 @@ def _saved(q: Fp8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | Non
     return (None, None) if q is None else (q.data, q.scale)
 
 
+WeightGradSink = Callable[[torch.Tensor, Callable[[], torch.Tensor]], None]
+"""Takes a weight and a function computing its gradient: the pipeline's W store runs it later (the
+split backward: parallel.pipeline.wgrad); None computes the gradient in the backward."""
+
+
+def _linear_weight_grad(grad_rows: torch.Tensor, x_columns: Fp8Tensor, power_of_two_scale: bool) -> torch.Tensor:
+    """Wgrad in FP8: grad_y^T x from grad_y and x both in 128x1 tiles, fp32."""
+    return fp8_mm(quantize_128x1(grad_rows, power_of_two_scale), x_columns, torch.float32)
+
+
+def _grouped_weight_grad(grad_y: torch.Tensor, offsets: torch.Tensor, x_columns: Fp8Tensor,
+                         tile_groups: torch.Tensor, groups: int, power_of_two_scale: bool) -> torch.Tensor:
+    grad_columns, _ = quantize_128x1_grouped(grad_y, offsets, power_of_two_scale)
+    return fp8_grouped_weight_grad(grad_columns, x_columns, tile_groups, groups)
+
+
+def _weight_grad(ctx, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """The weight gradient in the weight's dtype now, or None when `ctx.sink` takes it for later."""
+    if ctx.sink is not None:
+        ctx.sink(ctx.weight, compute)
+        return None
+    return compute().to(ctx.weight.dtype)
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T with its three GEMMs in FP8: Fprop (x 1x128, W 128x128), Dgrad (grad_y 1x128, W^T
-    128x128), Wgrad (grad_y and x in 128x1 tiles). Saves x in the 128x1 tiling and W in FP8."""
+    128x128), Wgrad (grad_y and x in 128x1 tiles; handed to `sink` when given). Saves x in the
+    128x1 tiling and W in FP8."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, power_of_two_scale: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, power_of_two_scale: bool,
+                sink: WeightGradSink | None) -> torch.Tensor:
         rows = _flat_rows(x)
         weight_q = quantize_128x128(weight, power_of_two_scale)
-        x_columns = quantize_128x1(rows, power_of_two_scale) if ctx.needs_input_grad[1] else None
+        x_columns = quantize_128x1(rows, power_of_two_scale) if weight.requires_grad else None
         ctx.save_for_backward(weight_q.data, weight_q.scale, *_saved(x_columns))
-        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight_dtype = power_of_two_scale, x.dtype, weight.dtype
+        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
         y = fp8_mm(quantize_1x128(rows, power_of_two_scale), weight_q, gemm_dtype(x, weight))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -322,10 +348,10 @@ class Fp8LinearFunction(torch.autograd.Function):
             weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
             grad_x = fp8_mm(quantize_1x128(grad_rows, ctx.power_of_two_scale), weight_t, ctx.x_dtype)
             grad_x = grad_x.reshape(*grad_y.shape[:-1], weight_data.shape[1])
-        if ctx.needs_input_grad[1]:
-            grad_columns = quantize_128x1(grad_rows, ctx.power_of_two_scale)
-            grad_w = fp8_mm(grad_columns, Fp8Tensor(x_data, x_scale, 1), torch.float32).to(ctx.weight_dtype)
-        return grad_x, grad_w, None
+        if x_data is not None:
+            grad_w = _weight_grad(ctx, functools.partial(_linear_weight_grad, grad_rows, Fp8Tensor(x_data, x_scale, 1),
+                                                         ctx.power_of_two_scale))
+        return grad_x, grad_w, None, None
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -334,13 +360,13 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                power_of_two_scale: bool) -> torch.Tensor:
+                power_of_two_scale: bool, sink: WeightGradSink | None) -> torch.Tensor:
         weight_q = quantize_128x128(weight, power_of_two_scale)
         x_columns, tile_groups = None, None
-        if ctx.needs_input_grad[1]:
+        if weight.requires_grad:
             x_columns, tile_groups = quantize_128x1_grouped(x, offsets, power_of_two_scale)
         ctx.save_for_backward(weight_q.data, weight_q.scale, offsets, tile_groups, *_saved(x_columns))
-        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight_dtype = power_of_two_scale, x.dtype, weight.dtype
+        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
         return fp8_grouped_mm(quantize_1x128(x, power_of_two_scale), weight_q, offsets, gemm_dtype(x, weight))
 
     @staticmethod
@@ -350,23 +376,29 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
             grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.power_of_two_scale), weight_t, offsets, ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_columns, _ = quantize_128x1_grouped(grad_y, offsets, ctx.power_of_two_scale)
-            grad_w = fp8_grouped_weight_grad(grad_columns, Fp8Tensor(x_data, x_scale, 1), tile_groups,
-                                             weight_data.shape[0]).to(ctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        if x_data is not None:
+            grad_w = _weight_grad(ctx, functools.partial(
+                _grouped_weight_grad, grad_y.contiguous(), offsets, Fp8Tensor(x_data, x_scale, 1), tile_groups,
+                weight_data.shape[0], ctx.power_of_two_scale))
+        return grad_x, grad_w, None, None, None
 
 
 class Fp8GemmOps(GemmOps):
-    """Every weight GEMM in FP8 E4M3 with fine-grained scales (plain autograd; the pipeline's split
-    B/W backward does not use it yet). The output is in `gemm_dtype` (bf16 with bf16 parameters),
-    the input gradient in the input's dtype, the weight gradient in the weight's."""
+    """Every weight GEMM in FP8 E4M3 with fine-grained scales. The output is in `gemm_dtype` (bf16 with
+    bf16 parameters), the input gradient in the input's dtype, the weight gradient in the weight's.
+    `sink` defers the weight gradients (the pipeline's split backward); the output head keeps
+    `high_precision` GEMMs, as DeepSeek-V3 keeps it in BF16."""
 
-    def __init__(self, power_of_two_scales: bool = False) -> None:
-        self.power_of_two_scales = power_of_two_scales
+    def __init__(self, power_of_two_scales: bool = False, sink: WeightGradSink | None = None,
+                 high_precision: GemmOps | None = None) -> None:
+        self.power_of_two_scales, self.sink = power_of_two_scales, sink
+        self._high_precision = high_precision or GemmOps()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return Fp8LinearFunction.apply(x, weight, self.power_of_two_scales)
+        return Fp8LinearFunction.apply(x, weight, self.power_of_two_scales, self.sink)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self.power_of_two_scales)
+        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self.power_of_two_scales, self.sink)
+
+    def high_precision(self) -> GemmOps:
+        return self._high_precision

@@ -91,7 +91,7 @@ def gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 class GemmOps:
-    """The two weight-GEMM entry points, plain autograd; subclassed for the pipeline's B/W split."""
+    """The two weight-GEMM entry points, plain autograd; subclassed for the pipeline's B/W split and for FP8."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -101,6 +101,10 @@ class GemmOps:
         returns the weight gradient in the fp32 of an fp32 weight."""
         dtype = gemm_dtype(x, weight)
         return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
+
+    def high_precision(self) -> "GemmOps":
+        """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
+        return self
 
 
 class Linear(nn.Module):

@@ -91,6 +91,8 @@ class DeepSeekV3(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, GroupedLinear)):
                 module.gemms = self.gemms
+        if has_head:  # the output head (also MTP's) keeps high-precision GEMMs (DeepSeek-V3 §3.3)
+            self.lm_head.gemms = self.gemms.high_precision()
 
     def moe_blocks(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

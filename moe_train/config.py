@@ -23,7 +23,7 @@ from parallel.pipeline.builders import SCHEDULES
 from parallel.pipeline.builders.zb_auto import parse_zb_costs
 from parallel.pipeline.timeline import Costs
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
 COMPILE_MODES = ("none", "regions", "model")
 DEVICES = ("auto", "cpu", "cuda")
 DISPATCHERS = ("auto", "local", "alltoall", "hierarchical", "native", "deepep")
@@ -109,7 +109,9 @@ class TrainConfig:
         log_interval: steps between console lines and metrics.jsonl records
         eval_interval: steps between validations (0: no validation)
         eval_iters: validation micro-batches per validation
-        precision: fp32, or bf16 (bf16 parameters; fp32 main parameters and gradients in the optimizer)
+        precision: fp32; bf16 (bf16 parameters; fp32 main parameters and gradients in the optimizer); or
+            fp8 (as bf16, with every weight GEMM but the output head's in FP8 E4M3 with 1x128 / 128x128
+            scales, DeepSeek-V3's recipe: model.fp8)
         compile: torch.compile: none, regions (attention, dense MLP, norms) or model (see
             runtime.compile_model)
         device: auto, cpu or cuda
@@ -490,6 +492,9 @@ def validate(config: Config) -> list[tuple[str, str]]:
                          f"{t.seq_length} exceeds model.max_position_embeddings={config.model.max_position_embeddings}"))
     _choice(problems, "train.precision", t.precision, PRECISIONS)
     _choice(problems, "train.compile", t.compile, COMPILE_MODES)
+    if t.compile != "none" and t.precision == "fp8":
+        problems.append(("train.compile", f"{t.compile!r} is not supported with train.precision=fp8 (its GEMMs "
+                                          "are not traced): use train.compile=none"))
     if t.compile != "none" and p.pp > 1:
         problems.append(("train.compile", f"{t.compile!r} needs parallel.pp=1, got {p.pp}: a compiled region would "
                                           "bypass the split backward that defers the pipeline's weight gradients"))

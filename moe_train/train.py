@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.flops import training_flops_per_token
+from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
 from moe_train.checkpoint import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
@@ -46,7 +47,7 @@ from parallel.adamw import MOMENT_DTYPES
 from parallel.data_parallel import GradientSync, build_buffers
 from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
 from parallel.failures import collective_failure
-from parallel.mixed_precision import PARAM_DTYPES, release_grads
+from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad, release_grads
 from parallel.pipeline.ir import LoweredSchedule
 from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
@@ -159,17 +160,18 @@ class Trainer:
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      comm_sms=config.parallel.comm_sms, device=self.device.type)
         self.pipeline: ModelPipeline | None = None
+        fp8 = config.train.precision == "fp8"  # FP8 weight GEMMs (model.fp8) over bf16 parameters
         self.zb_meter: ZbCostMeter | None = None
         if topology is not None and topology.pp > 1:
             lowered, specs = plan_pipeline(config, topology.dp)
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
                                           config.train.seq_length, dispatcher, config.parallel.timeout_s,
-                                          overlap=config.parallel.overlap)
+                                          overlap=config.parallel.overlap, fp8=fp8)
             self.model = self.pipeline.model
             if measures_zb_costs(config.parallel):
                 self.zb_meter = ZbCostMeter(config.parallel.zb_measure_steps)
         else:
-            self.model = DeepSeekV3(config.model, dispatcher)
+            self.model = DeepSeekV3(config.model, dispatcher, Fp8GemmOps(sink=accumulate_weight_grad) if fp8 else None)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
         # the parameters in data-parallel buckets, in the compute dtype (bf16: parallel.mixed_precision)
@@ -201,6 +203,9 @@ class Trainer:
                 raise LogWriteError(f"cannot write {path}: {err.strerror}") from err
         if config.train.compile != "none":
             self.logger.info(f"torch.compile: {self.compiled}")
+        if fp8 and not blockwise_scaled_mm_supported(self.device):
+            self.logger.info(f"train.precision=fp8: torch's blockwise FP8 scaled_mm does not run on {self.device}; "
+                             "the FP8 GEMMs are emulated (exact, slower)")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
 

@@ -18,14 +18,14 @@ accessors below fall back to them.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from parallel.flat_range import FlatRange
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: bf16 parameters, FP8 GEMMs
 
 
 def has_main_grad(param: nn.Parameter) -> bool:
@@ -49,6 +49,13 @@ def current_grad(param: nn.Parameter) -> torch.Tensor | None:
 def accumulate_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
     """Add one backward's weight gradient into `param`'s gradient buffer (fp32 main grad in bf16)."""
     grad_buffer(param).add_(grad)
+
+
+@torch.no_grad()
+def accumulate_weight_grad(param: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+    """Add the weight gradient that `compute` returns outside autograd (model.fp8's FP8 Wgrad, in fp32)
+    into `param`'s gradient buffer, unrounded: the `sink` of the FP8 GEMMs."""
+    accumulate_grad(param, compute())
 
 
 def zero_grad_buffers(params: Iterable[nn.Parameter]) -> None:

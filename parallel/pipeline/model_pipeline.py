@@ -45,18 +45,19 @@ def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, vi
 class ModelPipeline:
     """This rank's stages of the model and the runtime that runs them.
 
-    `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`).
+    `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`). `fp8`: the
+    weight GEMMs in FP8 (model.fp8; train.precision=fp8).
     The runtime is created at the first step, when the model has its final device and dtype.
     """
 
     def __init__(self, args: ModelArgs, topology: Topology, lowered: LoweredSchedule, specs: Sequence[StageSpec],
                  micro_batch_size: int, seq_length: int, dispatcher: Optional[Dispatcher] = None,
-                 timeout_s: float = 300.0, overlap: bool = True) -> None:
+                 timeout_s: float = 300.0, overlap: bool = True, fp8: bool = False) -> None:
         self.topology, self.lowered = topology, lowered
         placement = lowered.schedule.placement
         self.store = WeightGradStore()
         self.model, self.stages = build_stages(args, specs, placement.stages_on(topology.pp_rank), self.store,
-                                               dispatcher)
+                                               dispatcher, fp8)
         pipelines = group_ranks(topology.world_size, topology.pp, topology.ep, topology.gpus_per_node).pp
         self.replicas = PipelineReplicas(self.model, placement, topology.pp_rank, pipelines,
                                          tied_embedding=args.mtp_num_layers > 0, timeout_s=timeout_s,

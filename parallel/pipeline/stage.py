@@ -28,7 +28,7 @@ from model.args import ModelArgs
 from model.dispatcher import Dispatcher
 from model.transformer import DeepSeekV3, ModelPart
 
-from .wgrad import SplitGemmOps, WeightGradStore
+from .wgrad import WeightGradStore, split_gemms
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,9 @@ class ModelStage:
 
 
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], stage_ids: Iterable[int], store: WeightGradStore,
-                 dispatcher: Dispatcher | None = None) -> tuple[DeepSeekV3, dict[int, ModelStage]]:
-    """This rank's model (the parts of its stages, weight GEMMs split for `store`) and a `ModelStage`
-    for each of its stage ids."""
+                 dispatcher: Dispatcher | None = None, fp8: bool = False) -> tuple[DeepSeekV3, dict[int, ModelStage]]:
+    """This rank's model (the parts of its stages, weight GEMMs split for `store`, in FP8 with `fp8`)
+    and a `ModelStage` for each of its stage ids."""
     stage_ids = sorted(stage_ids)
-    model = DeepSeekV3(args, dispatcher, SplitGemmOps(store), [specs[s].part for s in stage_ids])
+    model = DeepSeekV3(args, dispatcher, split_gemms(store, fp8), [specs[s].part for s in stage_ids])
     return model, {s: ModelStage(model, specs[s]) for s in stage_ids}

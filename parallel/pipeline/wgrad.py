@@ -5,7 +5,9 @@ MTP eh_proj) goes through the `GemmOps` the model was built with. A pipeline bui
 `SplitGemmOps(store)`, whose autograd Functions below return only the input gradient in backward
 and hand the weight-gradient GEMM to `store` as a closure. Whether the closure is queued (B) or run
 at once (BW, or a backward outside any scope) is decided when the backward runs, by the store's
-`scope(stage, microbatch, mode)`, so one forward serves both kinds of schedule. Norms, embeddings, the router and the MoE balance-loss
+`scope(stage, microbatch, mode)`, so one forward serves both kinds of schedule. With
+`train.precision=fp8` the model's GEMMs are `model.fp8.Fp8GemmOps` whose weight gradients go to
+`SplitGemmOps.defer` (`split_gemms`), the output head keeping these bf16 ones. Norms, embeddings, the router and the MoE balance-loss
 injection (`model.moe.AuxLossGradient`) stay in ordinary autograd: their gradients are produced
 during B.
 
@@ -35,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.fp8 import Fp8GemmOps
 from model.layers import GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
-from parallel.mixed_precision import accumulate_grad
+from parallel.mixed_precision import accumulate_grad, accumulate_weight_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
 
 WeightGradWork = Callable[[], None]
@@ -182,9 +185,19 @@ class SplitGemmOps(GemmOps):
     def __init__(self, store: WeightGradStore) -> None:
         self.store = store
 
+    def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+        """Queue a weight gradient that `compute` returns (model.fp8's FP8 Wgrad) as W work."""
+        self.store.put(partial(accumulate_weight_grad, weight, compute))
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return SplitLinearFunction.apply(x, weight, self.store)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return SplitGroupedLinearFunction.apply(x, weight, offsets, self.store)
 
+
+
+def split_gemms(store: WeightGradStore, fp8: bool) -> GemmOps:
+    """The GEMMs of a pipeline's model: split B/W, in FP8 (model.fp8, the head in bf16) or not."""
+    split = SplitGemmOps(store)
+    return Fp8GemmOps(sink=split.defer, high_precision=split) if fp8 else split

@@ -132,22 +132,23 @@ def test_validation_equals_single_process(pools, corpus_cache, tmp_path, schedul
     assert results == pytest.approx([expected] * 4, rel=1e-5)
 
 
-def bf16_losses(cache_dir: str, run_dir: str, steps: int) -> list[float]:
-    topology, trainer = _trainer(2, 1, "zb-h1", cache_dir, run_dir, "train.precision=bf16")
+def pipeline_losses(cache_dir: str, run_dir: str, steps: int, precision: str) -> list[float]:
+    topology, trainer = _trainer(2, 1, "zb-h1", cache_dir, run_dir, f"train.precision={precision}")
     try:
         return [m["loss"] for m in read_metrics([trainer.train_step() for _ in range(steps)])]
     finally:
         _close(topology, trainer)
 
 
-def test_bf16_pipeline_follows_single_process(pools, corpus_cache, tmp_path):  # noqa: F811
-    reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), *SHORT, "train.precision=bf16"))
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_low_precision_pipeline_follows_single_process(pools, corpus_cache, tmp_path, precision):  # noqa: F811
+    reference = Trainer(tiny_config(corpus_cache, str(tmp_path / "ref"), *SHORT, f"train.precision={precision}"))
     expected = [m["loss"] for m in read_metrics([reference.train_step() for _ in range(3)])]
-    results = pools.get(2).run(bf16_losses, corpus_cache, str(tmp_path / "run"), 3, deadline_s=120)
+    results = pools.get(2).run(pipeline_losses, corpus_cache, str(tmp_path / "run"), 3, precision, deadline_s=120)
     fp32 = [m["loss"] for m in read_metrics([Trainer(tiny_config(corpus_cache, str(tmp_path / "fp32"),
                                                                      *SHORT)).train_step()])]
     for losses in results:
-        print(f"|pp 2 - one process| / one process: {[abs(a - b) / b for a, b in zip(losses, expected)]}; "
+        print(f"{precision}: |pp 2 - one process| / one process: {[abs(a - b) / b for a, b in zip(losses, expected)]}; "
               f"first step fp32 vs bf16 {abs(fp32[0] - expected[0]) / expected[0]:.2g}")
         assert losses[0] == pytest.approx(expected[0], rel=1e-5)
         assert abs(fp32[0] - expected[0]) > 10 * abs(losses[0] - expected[0])
