@@ -8,13 +8,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from dataclasses import dataclass
 
 from moe_train.config import load_config
 from moe_train.train import Trainer
 
 
-def loss_curve(config_path: str, precision: str, steps: int, overrides: list[str]) -> list[float]:
-    """The training loss of each of `steps` steps (the learning-rate schedule spans them)."""
+@dataclass(frozen=True)
+class TrainingRun:
+    losses: list[float]  # the training loss of each step
+    valid_loss: float | None  # the validation loss after the last step, when asked for
+
+
+def train_run(config_path: str, precision: str, steps: int, overrides: list[str], validate: bool = False) -> TrainingRun:
+    """`steps` steps of the config in `precision` (the learning-rate schedule spans them)."""
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(config_path, [f"train.precision={precision}", f"train.steps={steps}",
                                            f"logging.dir={run_dir}", "logging.tensorboard=false",
@@ -22,9 +29,15 @@ def loss_curve(config_path: str, precision: str, steps: int, overrides: list[str
         trainer = Trainer(config)
         trainer.model.train()
         try:
-            return [trainer.train_step()["loss"] for _ in range(steps)]
+            losses = [trainer.train_step()["loss"] for _ in range(steps)]
+            return TrainingRun(losses, trainer.evaluate() if validate else None)
         finally:
             trainer.logger.close()
+
+
+def loss_curve(config_path: str, precision: str, steps: int, overrides: list[str]) -> list[float]:
+    """The training loss of each of `steps` steps."""
+    return train_run(config_path, precision, steps, overrides).losses
 
 
 def curve_difference(a: list[float], b: list[float]) -> tuple[float, float]:

@@ -102,3 +102,18 @@ def test_fp8_training_follows_bf16_and_resumes_bit_for_bit(tmp_path, capsys):
 def test_fp8_refuses_torch_compile():
     with pytest.raises(ConfigError, match="train.compile"):
         load_config(TINY, ["train.precision=fp8", "train.compile=regions"])
+
+
+def test_the_fp8_curve_benchmark_reports_both_relative_errors(tmp_path, capsys, monkeypatch):
+    """benchmarks/fp8_loss_curves.py on 2 tiny steps: both curves, the training and validation losses'
+    relative errors and the paper's criterion (the README's row is its 400-step demo run)."""
+    from benchmarks import fp8_loss_curves
+
+    monkeypatch.setattr("sys.argv", ["fp8_loss_curves", "--config", TINY, "--steps", "2",
+                                     "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                                     "--set", "data.demo_max_bytes=200000"])
+    fp8_loss_curves.main()
+    out = capsys.readouterr().out
+    assert "step    2  bf16 " in out and " fp8 " in out
+    assert "final training loss (mean of the last 10 steps): bf16" in out and "validation loss: bf16" in out
+    assert "the paper's criterion, under 0.25%: met" in out
