@@ -1,14 +1,17 @@
 """FP8 (e4m3) payload with one scale per token per 128 channels, as DeepEP's kernels carry it.
 
 Pure torch, so it works on CPU. The scale is amax / 448 (448 is e4m3's largest finite value),
-with DeepEP's amax floor of 1e-4 so all-zero blocks do not divide by zero.
+with DeepEP's amax floor of 1e-4 so all-zero blocks do not divide by zero: the rule our kernels
+implement bit for bit, which differs from the training GEMMs' (model.fp8: scale 1 for a zero tile,
+a 2^-126 floor on the scale) only for tiles whose amax is below 1e-4.
 """
 from __future__ import annotations
 
 import torch
 
+from model.fp8 import E4M3_MAX, power_of_two_ceil
+
 BLOCK = 128
-E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
@@ -25,13 +28,6 @@ def quantize_e4m3(x: torch.Tensor, round_scale: bool = False) -> tuple[torch.Ten
         scales = power_of_two_ceil(scales)
     scaled = (blocks / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
     return scaled.view(tokens, hidden).to(torch.float8_e4m3fn), scales
-
-
-def power_of_two_ceil(values: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2(v)) of positive normal floats, exactly: from the exponent and whether any mantissa bit
-    is set, as DeepEP's kernels compute it (float log2 rounds 2^k * (1 + 2^-23) down to k)."""
-    mantissa, exponent = torch.frexp(values)  # values = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return torch.ldexp(torch.ones_like(values), torch.where(mantissa == 0.5, exponent - 1, exponent))
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:

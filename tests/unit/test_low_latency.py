@@ -238,7 +238,7 @@ def test_bad_inputs_are_refused_before_anything_is_sent():
 
 def test_round_scale_is_the_exact_power_of_two_ceiling():
     # float log2 rounds 2^k * (1 + 2^-23) down to k; DeepEP's kernels read the exponent bits instead
-    from parallel.dispatch.fp8 import power_of_two_ceil
+    from model.fp8 import power_of_two_ceil
     k = torch.arange(-30, 10, dtype=torch.float32)
     exact = torch.exp2(k)
     just_above = exact * (1 + 2.0 ** -23)
