@@ -32,6 +32,7 @@ What this module owns:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -329,13 +330,12 @@ class Fp8LinearFunction(torch.autograd.Function):
     128x1 tiling and W in FP8."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, power_of_two_scale: bool,
-                sink: WeightGradSink | None) -> torch.Tensor:
-        rows = _flat_rows(x)
-        weight_q = quantize_128x128(weight, power_of_two_scale)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ops: Fp8GemmOps) -> torch.Tensor:
+        rows, power_of_two_scale = _flat_rows(x), ops.power_of_two_scales
+        weight_q = ops.quantized_weight(weight)
         x_columns = quantize_128x1(rows, power_of_two_scale) if weight.requires_grad else None
         ctx.save_for_backward(weight_q.data, weight_q.scale, *_saved(x_columns))
-        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
+        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, ops.sink
         y = fp8_mm(quantize_1x128(rows, power_of_two_scale), weight_q, gemm_dtype(x, weight))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -351,7 +351,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if x_data is not None:
             grad_w = _weight_grad(ctx, functools.partial(_linear_weight_grad, grad_rows, Fp8Tensor(x_data, x_scale, 1),
                                                          ctx.power_of_two_scale))
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -359,9 +359,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     GEMMs in FP8; the 128x1 tiles of the Wgrad restart at each group (`quantize_128x1_grouped`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                power_of_two_scale: bool, sink: WeightGradSink | None) -> torch.Tensor:
-        weight_q = quantize_128x128(weight, power_of_two_scale)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ops: Fp8GemmOps) -> torch.Tensor:
+        power_of_two_scale, sink = ops.power_of_two_scales, ops.sink
+        weight_q = ops.quantized_weight(weight)
         x_columns, tile_groups = None, None
         if weight.requires_grad:
             x_columns, tile_groups = quantize_128x1_grouped(x, offsets, power_of_two_scale)
@@ -380,25 +380,46 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             grad_w = _weight_grad(ctx, functools.partial(
                 _grouped_weight_grad, grad_y.contiguous(), offsets, Fp8Tensor(x_data, x_scale, 1), tile_groups,
                 weight_data.shape[0], ctx.power_of_two_scale))
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None
 
 
 class Fp8GemmOps(GemmOps):
     """Every weight GEMM in FP8 E4M3 with fine-grained scales. The output is in `gemm_dtype` (bf16 with
     bf16 parameters), the input gradient in the input's dtype, the weight gradient in the weight's.
     `sink` defers the weight gradients (the pipeline's split backward); the output head keeps
-    `high_precision` GEMMs, as DeepSeek-V3 keeps it in BF16."""
+    `high_precision` GEMMs, as DeepSeek-V3 keeps it in BF16.
+
+    Inside `weights_fixed()` (one optimizer step's forwards and backwards) each weight is quantized
+    once and its FP8 copy shared by every micro-batch, instead of one copy saved per micro-batch in
+    flight; the copies are dropped when the scope ends, before the optimizer changes the weights."""
 
     def __init__(self, power_of_two_scales: bool = False, sink: WeightGradSink | None = None,
                  high_precision: GemmOps | None = None) -> None:
         self.power_of_two_scales, self.sink = power_of_two_scales, sink
         self._high_precision = high_precision or GemmOps()
+        self._weights: dict[int, Fp8Tensor] | None = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return Fp8LinearFunction.apply(x, weight, self.power_of_two_scales, self.sink)
+        return Fp8LinearFunction.apply(x, weight, self)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self.power_of_two_scales, self.sink)
+        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self)
 
     def high_precision(self) -> GemmOps:
         return self._high_precision
+
+    def quantized_weight(self, weight: torch.Tensor) -> Fp8Tensor:
+        """`weight` in 128x128 blocks: the step's shared copy inside `weights_fixed`, else a fresh one."""
+        if self._weights is None:
+            return quantize_128x128(weight, self.power_of_two_scales)
+        if id(weight) not in self._weights:
+            self._weights[id(weight)] = quantize_128x128(weight, self.power_of_two_scales)
+        return self._weights[id(weight)]
+
+    @contextlib.contextmanager
+    def weights_fixed(self) -> Iterator[None]:
+        self._weights = {}
+        try:
+            yield
+        finally:
+            self._weights = None

@@ -6,6 +6,8 @@ GEMMs (`parallel.pipeline.wgrad.SplitGemmOps`) without touching the modules.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,6 +107,11 @@ class GemmOps:
     def high_precision(self) -> "GemmOps":
         """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
         return self
+
+    def weights_fixed(self) -> contextlib.AbstractContextManager[None]:
+        """A scope in which the weights do not change (one optimizer step's forwards and backwards):
+        GEMMs may reuse what they derive from them (model.fp8's FP8 copies). Nothing to reuse here."""
+        return contextlib.nullcontext()
 
 
 class Linear(nn.Module):

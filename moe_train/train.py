@@ -387,9 +387,11 @@ class Trainer:
 
     def compute_gradients(self) -> dict[str, torch.Tensor]:
         """Forward and backward of the next global batch, gradients reduced over data parallelism
-        (by the pipeline as their gradients become final, else here afterwards)."""
-        losses = self._forward_backward(self.sampler.next_batch(),
-                                        mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
+        (by the pipeline as their gradients become final, else here afterwards). The weights are fixed
+        meanwhile, so FP8 GEMMs quantize each once for every micro-batch (model.fp8)."""
+        with self.model.gemms.weights_fixed():
+            losses = self._forward_backward(self.sampler.next_batch(),
+                                            mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
         if self.pipeline is None:
             self.grads.reduce()
         return losses

@@ -117,3 +117,36 @@ def test_the_fp8_curve_benchmark_reports_both_relative_errors(tmp_path, capsys, 
     assert "step    2  bf16 " in out and " fp8 " in out
     assert "final training loss (mean of the last 10 steps): bf16" in out and "validation loss: bf16" in out
     assert "the paper's criterion, under 0.25%: met" in out
+
+
+def test_inside_weights_fixed_every_micro_batch_shares_one_fp8_copy_of_a_weight():
+    """One optimizer step's forwards save the same FP8 weight (one copy, not one per micro-batch in
+    flight); outside the scope, or in the next one after the weight changed, a fresh quantization."""
+    ops = fp8.Fp8GemmOps(sink=accumulate_weight_grad)
+    model = tiny_model(ops)
+    weight = model.layers["0"].self_attn.o_proj.weight
+    ids, labels = batch()
+
+    def two_micro_batches() -> set[int]:
+        """Storages of the FP8 o_proj weights the two forwards' graphs saved, while both are alive."""
+        outs = [model(ids, labels, aux_grad_scale=1.0) for _ in range(2)]
+        stack, seen, found = [out.loss.grad_fn for out in outs], set(), set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "Fp8LinearFunctionBackward" and node.weight is weight:
+                found.add(node.saved_tensors[0].untyped_storage().data_ptr())
+            stack += [next_fn for next_fn, _ in node.next_functions]
+        sum(out.loss for out in outs).backward()
+        return found
+
+    with ops.weights_fixed():
+        assert len(two_micro_batches()) == 1
+        first = ops.quantized_weight(weight)
+    assert len(two_micro_batches()) == 2
+    with torch.no_grad():
+        weight.mul_(2)
+    with ops.weights_fixed():
+        assert torch.equal(ops.quantized_weight(weight).scale, 2 * first.scale)
