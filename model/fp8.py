@@ -33,6 +33,7 @@ What this module owns:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -336,7 +337,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         x_columns = quantize_128x1(rows, power_of_two_scale) if weight.requires_grad else None
         ctx.save_for_backward(weight_q.data, weight_q.scale, *_saved(x_columns))
         ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, ops.sink
-        y = fp8_mm(quantize_1x128(rows, power_of_two_scale), weight_q, gemm_dtype(x, weight))
+        ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
+        y = fp8_mm(quantize_1x128(rows, ops.power_of_two_for(inputs=True)), weight_q, gemm_dtype(x, weight))
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -346,7 +348,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
-            grad_x = fp8_mm(quantize_1x128(grad_rows, ctx.power_of_two_scale), weight_t, ctx.x_dtype)
+            grad_x = fp8_mm(quantize_1x128(grad_rows, ctx.grad_power_of_two), weight_t, ctx.x_dtype)
             grad_x = grad_x.reshape(*grad_y.shape[:-1], weight_data.shape[1])
         if x_data is not None:
             grad_w = _weight_grad(ctx, functools.partial(_linear_weight_grad, grad_rows, Fp8Tensor(x_data, x_scale, 1),
@@ -367,7 +369,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             x_columns, tile_groups = quantize_128x1_grouped(x, offsets, power_of_two_scale)
         ctx.save_for_backward(weight_q.data, weight_q.scale, offsets, tile_groups, *_saved(x_columns))
         ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
-        return fp8_grouped_mm(quantize_1x128(x, power_of_two_scale), weight_q, offsets, gemm_dtype(x, weight))
+        ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
+        return fp8_grouped_mm(quantize_1x128(x, ops.power_of_two_for(inputs=True)), weight_q, offsets,
+                              gemm_dtype(x, weight))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -375,12 +379,19 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
-            grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.power_of_two_scale), weight_t, offsets, ctx.x_dtype)
+            grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, offsets, ctx.x_dtype)
         if x_data is not None:
             grad_w = _weight_grad(ctx, functools.partial(
                 _grouped_weight_grad, grad_y.contiguous(), offsets, Fp8Tensor(x_data, x_scale, 1), tile_groups,
                 weight_data.shape[0], ctx.power_of_two_scale))
         return grad_x, grad_w, None, None
+
+
+@dataclass
+class _StepWeights:
+    """The FP8 copies of the weights made in the current `weights_fixed` scope (None outside one)."""
+
+    copies: dict[int, Fp8Tensor] | None = None
 
 
 class Fp8GemmOps(GemmOps):
@@ -391,13 +402,21 @@ class Fp8GemmOps(GemmOps):
 
     Inside `weights_fixed()` (one optimizer step's forwards and backwards) each weight is quantized
     once and its FP8 copy shared by every micro-batch, instead of one copy saved per micro-batch in
-    flight; the copies are dropped when the scope ends, before the optimizer changes the weights."""
+    flight; the copies are dropped when the scope ends, before the optimizer changes the weights.
+
+    `at_dispatch_boundary` gives the routed experts' GEMMs power-of-two scales where the FP8 dispatch
+    quantizes the same rows (their gate/up input, their down projection's output gradient): a row the
+    dispatch quantized and the receiver dequantized (exactly, the scale being a power of two) then
+    quantizes to the same values (the same codes and scale, or, where a tile's largest value rounded
+    down to 224, half the scale and doubled codes), so the GEMM computes with the dispatched payload's
+    values, and one process quantizes these inputs as an EP layout does."""
 
     def __init__(self, power_of_two_scales: bool = False, sink: WeightGradSink | None = None,
                  high_precision: GemmOps | None = None) -> None:
         self.power_of_two_scales, self.sink = power_of_two_scales, sink
+        self.power_of_two_inputs = self.power_of_two_output_grads = False
         self._high_precision = high_precision or GemmOps()
-        self._weights: dict[int, Fp8Tensor] | None = None
+        self._step = _StepWeights()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return Fp8LinearFunction.apply(x, weight, self)
@@ -408,18 +427,29 @@ class Fp8GemmOps(GemmOps):
     def high_precision(self) -> GemmOps:
         return self._high_precision
 
+    def at_dispatch_boundary(self, inputs: bool = False, output_grads: bool = False) -> Fp8GemmOps:
+        boundary = copy.copy(self)  # the same sink and step weights
+        boundary.power_of_two_inputs, boundary.power_of_two_output_grads = inputs, output_grads
+        return boundary
+
+    def power_of_two_for(self, inputs: bool = False, output_grads: bool = False) -> bool:
+        """Whether the 1x128 quantization of the inputs (or of the output gradients) uses power-of-two scales."""
+        return self.power_of_two_scales or (inputs and self.power_of_two_inputs) or (
+            output_grads and self.power_of_two_output_grads)
+
     def quantized_weight(self, weight: torch.Tensor) -> Fp8Tensor:
         """`weight` in 128x128 blocks: the step's shared copy inside `weights_fixed`, else a fresh one."""
-        if self._weights is None:
+        copies = self._step.copies
+        if copies is None:
             return quantize_128x128(weight, self.power_of_two_scales)
-        if id(weight) not in self._weights:
-            self._weights[id(weight)] = quantize_128x128(weight, self.power_of_two_scales)
-        return self._weights[id(weight)]
+        if id(weight) not in copies:
+            copies[id(weight)] = quantize_128x128(weight, self.power_of_two_scales)
+        return copies[id(weight)]
 
     @contextlib.contextmanager
     def weights_fixed(self) -> Iterator[None]:
-        self._weights = {}
+        self._step.copies = {}
         try:
             yield
         finally:
-            self._weights = None
+            self._step.copies = None

@@ -108,6 +108,11 @@ class GemmOps:
         """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
         return self
 
+    def at_dispatch_boundary(self, inputs: bool = False, output_grads: bool = False) -> "GemmOps":
+        """The GEMMs for the routed experts, whose inputs (and output gradients) cross the dispatch:
+        only lower-precision GEMMs quantize them differently (model.fp8). These themselves."""
+        return self
+
     def weights_fixed(self) -> contextlib.AbstractContextManager[None]:
         """A scope in which the weights do not change (one optimizer step's forwards and backwards):
         GEMMs may reuse what they derive from them (model.fp8's FP8 copies). Nothing to reuse here."""

@@ -20,7 +20,7 @@ from model.block import DecoderLayer
 from model.dispatcher import Dispatcher, PackedExchange
 from model.kv_cache import KVCache
 from model.layers import GemmOps, GroupedLinear, Linear, RMSNorm
-from model.moe import MoE
+from model.moe import MoE, RoutedExperts
 from model.mtp import IGNORE_INDEX, MTPLayer, shift_left
 from model.rope import RotaryEmbedding
 from model.router import Router
@@ -93,6 +93,9 @@ class DeepSeekV3(nn.Module):
                 module.gemms = self.gemms
         if has_head:  # the output head (also MTP's) keeps high-precision GEMMs (DeepSeek-V3 §3.3)
             self.lm_head.gemms = self.gemms.high_precision()
+        for experts in (m for m in self.modules() if isinstance(m, RoutedExperts)):  # their rows cross the dispatch
+            experts.gate_up_proj.gemms = self.gemms.at_dispatch_boundary(inputs=True)
+            experts.down_proj.gemms = self.gemms.at_dispatch_boundary(output_grads=True)
 
     def moe_blocks(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

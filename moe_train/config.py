@@ -67,6 +67,9 @@ class ParallelConfig:
         first_stage_layers: without a layout: decoder layers on the first stage
         last_stage_layers: without a layout: decoder layers on the last stage
         comm_sms: SMs the native dispatch/combine kernels may use (2 per channel)
+        fp8_dispatch: the MoE dispatch payload, and the gradient the combine's backward sends, travel in
+            FP8 E4M3 with a power-of-two scale per token and 128 channels (DeepSeek-V3 §3.3.3; the combine
+            stays bf16); needs train.precision=fp8, parallel.ep > 1 and a hidden size divisible by 128
         overlap: FB actions (dualpipe, dualpipev, combined-1f1b) interleave halves to hide all-to-alls
         nproc_per_node: processes per node for the launcher (default: 1 on CPU)
         zb_memory_limit: zb-auto: live activations per rank, in stage micro-batches (default 2*pp-1)
@@ -89,6 +92,7 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     comm_sms: int = 20
+    fp8_dispatch: bool = False
     overlap: bool = True
     nproc_per_node: Optional[int] = None
     zb_memory_limit: Optional[float] = None
@@ -515,6 +519,14 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}"))
     if p.ep >= 1 and config.model.num_moe_experts % p.ep:
         problems.append(("parallel.ep", f"num_moe_experts={config.model.num_moe_experts} is not divisible by ep={p.ep}"))
+    if p.fp8_dispatch:
+        why = [f"{key}={value}" for key, value, fine in (
+            ("train.precision", t.precision, t.precision == "fp8"), ("parallel.ep", p.ep, p.ep > 1),
+            ("model.hidden_size", config.model.hidden_size, config.model.hidden_size % 128 == 0)) if not fine]
+        if why:
+            problems.append(("parallel.fp8_dispatch", "needs train.precision=fp8 (the expert GEMMs consume the "
+                                                      "FP8 rows), parallel.ep > 1 and model.hidden_size divisible by 128; "
+                                                      f"got {', '.join(why)}"))
     if p.comm_sms % 2:
         problems.append(("parallel.comm_sms", f"must be even (2 SMs per channel), got {p.comm_sms}"))
     if p.zb_costs is not None:

@@ -158,7 +158,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.train_data, self.valid_data = self._build_data()
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
-                                     comm_sms=config.parallel.comm_sms, device=self.device.type)
+                                     fp8=config.parallel.fp8_dispatch, comm_sms=config.parallel.comm_sms,
+                                     device=self.device.type)
         self.pipeline: ModelPipeline | None = None
         fp8 = config.train.precision == "fp8"  # FP8 weight GEMMs (model.fp8) over bf16 parameters
         self.zb_meter: ZbCostMeter | None = None

@@ -5,7 +5,10 @@ reordering of the received rows. Dispatch runs the hops forwards, moving one rec
 combine runs them backwards, summing the rows that came from the same source row at each hop (in
 fp32, cast back to the payload dtype on the wire, as DeepEP's partial sums are). Autograd: the
 backward of dispatch is that reduction applied to the gradients of `recv_x` and of the received
-weights; the backward of combine moves the gradient forwards along the cached plan.
+weights; the backward of combine moves the gradient forwards along the cached plan. With `fp8` the
+dispatch's payload, and the gradient combine's backward sends, travel as E4M3 with a power-of-two
+scale per token and 128 channels (DeepSeek-V3 §3.3.3); the combine and dispatch's backward stay in
+the payload's dtype.
 """
 from __future__ import annotations
 
@@ -152,7 +155,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: ExchangeDispatcher, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_idx: torch.Tensor, layout: Layout):
-        payload = list(quantize_e4m3(x)) if backend.fp8 else [x]
+        payload = list(quantize_e4m3(x, round_scale=True)) if backend.fp8 else [x]
         fields = [*payload, topk_idx.to(torch.int32), topk_weights]
         received, plan, counts = backend.route(fields, layout)
         if backend.fp8:
@@ -184,7 +187,12 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, ctx.plan.forward([grad], ctx.backend.traffic)[0], None
+        """The gradient goes back along the dispatch's route: in FP8 with the FP8 dispatch (DeepSeek-V3
+        sends the gradient before the experts' down projection in FP8; the combine itself stays bf16)."""
+        if not ctx.backend.fp8:
+            return None, ctx.plan.forward([grad], ctx.backend.traffic)[0], None
+        q, scales = ctx.plan.forward(list(quantize_e4m3(grad, round_scale=True)), ctx.backend.traffic)
+        return None, dequantize_e4m3(q, scales, grad.dtype), None
 
 
 class ExchangeDispatcher:

@@ -132,7 +132,7 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, backend: NativeDispatcher, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_idx: torch.Tensor, layout: Layout):
         buffer = backend.buffer_for(x, topk_idx.shape[1])
-        payload = quantize_e4m3(x) if backend.fp8 else x.contiguous()
+        payload = quantize_e4m3(x, round_scale=True) if backend.fp8 else x.contiguous()
         idx, weights = topk_idx.long().contiguous(), topk_weights.float().contiguous()
         layout_args = backend.layout_args(layout)
         recv, local, recv_w, per_expert, handle, _ = on_comm_stream(lambda: buffer.dispatch(
@@ -177,12 +177,14 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        """The gradient dispatched along the cached handle: in FP8 with the FP8 dispatch (base.py)."""
         backend, native = ctx.backend, ctx.native
         grad = grad.contiguous()
         buffer = backend.buffer_for(grad, native.num_topk)
-        recv, *_ = on_comm_stream(lambda: buffer.dispatch(grad, handle=native.handle), (grad,))
-        backend.count(DISPATCH, native.dispatch_rows, grad.shape[1] * grad.element_size())
-        return None, recv, None
+        payload = quantize_e4m3(grad, round_scale=True) if backend.fp8 else grad
+        recv, *_ = on_comm_stream(lambda: buffer.dispatch(payload, handle=native.handle), (grad, *_tensors(payload)))
+        backend.count(DISPATCH, native.dispatch_rows, backend.payload_row_bytes(grad))
+        return None, dequantize_e4m3(recv[0], recv[1], grad.dtype) if backend.fp8 else recv, None
 
 
 class NativeDispatcher:
@@ -308,10 +310,14 @@ class NativeDispatcher:
             return {INTER_NODE: inter_out}, {INTER_NODE: inter_in}
         return {INTER_NODE: inter_out, INTRA_NODE: intra_out}, {INTER_NODE: inter_in, INTRA_NODE: intra_in}
 
+    def payload_row_bytes(self, x: torch.Tensor) -> int:
+        """Bytes of one dispatched row of `x`: E4M3 and a 4-byte scale per 128 channels with `fp8`."""
+        hidden = x.shape[1]
+        return hidden + hidden // 128 * 4 if self.fp8 else hidden * x.element_size()
+
     def dispatch_row_bytes(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> int:
-        hidden, k = x.shape[1], topk_idx.shape[1]
-        payload = hidden + hidden // 128 * 4 if self.fp8 else hidden * x.element_size()
-        return payload + k * 4 + k * topk_weights.element_size()
+        k = topk_idx.shape[1]
+        return self.payload_row_bytes(x) + k * 4 + k * topk_weights.element_size()
 
     def count(self, direction: str, rows_per_link: dict[str, torch.Tensor], row_bytes: int) -> None:
         for link, rows in rows_per_link.items():

@@ -9,6 +9,8 @@
   under 0.25%; the 400-step demo is a benchmark), the start-up says the GEMMs are emulated on this
   CPU, and a resumed fp8 run continues bit for bit.
 """
+import random
+
 import pytest
 import torch
 
@@ -150,3 +152,30 @@ def test_inside_weights_fixed_every_micro_batch_shares_one_fp8_copy_of_a_weight(
         weight.mul_(2)
     with ops.weights_fixed():
         assert torch.equal(ops.quantized_weight(weight).scale, 2 * first.scale)
+
+
+def test_a_dispatched_row_quantizes_back_to_its_own_fp8_values_and_scales():
+    """parallel.fp8_dispatch sends E4M3 rows with power-of-two scales; the receiver dequantizes them to
+    bf16 (exactly: a 4-bit significand times a power of two) and the experts' gate/up GEMM, whose inputs
+    model.fp8 quantizes with power-of-two scales too, quantizes them back to the same values: the same
+    E4M3 codes and scale, or, where a tile's largest value rounded down to 224 (a power of two), half the
+    scale and every code doubled, exactly. Either way the GEMM computes with the dispatched payload's
+    values. (Tiles whose amax is under DeepEP's 1e-4 floor are the exception; these rows are above it.)"""
+    from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
+
+    seed = random.SystemRandom().randrange(2 ** 32)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = torch.exp2(torch.randint(-6, 7, (64, 3), generator=gen).float()).repeat_interleave(128, dim=1)
+    rows = (torch.randn(64, 384, generator=gen) * magnitudes).bfloat16()
+    sent, scales = quantize_e4m3(rows, round_scale=True)
+    received = dequantize_e4m3(sent, scales, torch.bfloat16)
+    again = fp8.quantize_1x128(received, power_of_two_scale=True)
+    assert torch.equal(fp8.dequantize(again), received.float())
+    same = again.scale == scales
+    assert torch.equal(again.scale[~same], scales[~same] / 2)
+    codes, sent_codes = (t.float().view(64, 3, 128) for t in (again.data, sent))
+    assert torch.equal(codes[same], sent_codes[same]) and torch.equal(codes[~same], 2 * sent_codes[~same])
+    print(f"{int(same.sum())} of {same.numel()} tiles kept their scale, the others halved it")
+    amax_grid = fp8.quantize_1x128(received)  # without power-of-two scales the values move
+    assert not torch.equal(fp8.dequantize(amax_grid), received.float())
