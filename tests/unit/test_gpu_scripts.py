@@ -22,3 +22,15 @@ def test_the_training_benchmark_prints_its_figures(tmp_path):
     assert "tokens/s, MFU" in line and "host syncs per step" in line and "of the recorded GEMM FLOPs in bf16" in line
     share = float(line.split("per step, ")[1].split("%")[0])
     assert share > 95.0, line
+
+
+def test_the_fp8_gemm_benchmark_prints_a_line_per_shape():
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.bench_fp8_gemm", "--device", "cpu", "--tokens", "16",
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "cpu: FP8 GEMMs through the emulation (no blockwise kernel)" in out
+    lines = [l for l in out.splitlines() if "TFLOP/s" in l]
+    assert [l.split(" K ")[0].strip() for l in lines] == ["q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj",
+                                                         "expert gate_up", "expert down"]
+    assert all("fp8 / bf16 speed" in l for l in lines)
