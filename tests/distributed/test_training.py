@@ -323,18 +323,23 @@ def test_bf16_zero1_checkpoint_resumes_bit_exactly_and_on_one_process(pools, cor
 
 
 def exchange_bytes(ep: int, precision: str, zero1: bool, cache_dir: str, run_dir: str) -> dict:
-    """One training step on 4 processes; the bytes this rank's data-parallel exchange sent, and the sizes
-    that decide them."""
+    """A one-step training run on 4 processes; the bytes this rank's data-parallel exchange sent, the sizes
+    that decide them, and what the run printed."""
+    import contextlib
+    import io
+
     import torch.distributed as dist
 
     topology = build_topology(pp=1, ep=ep, gpus_per_node=2, timeout_s=60)
     try:
-        config = tiny_config(cache_dir, f"{run_dir}{dist.get_rank()}", f"parallel.ep={ep}",
+        config = tiny_config(cache_dir, f"{run_dir}{dist.get_rank()}", f"parallel.ep={ep}", "train.steps=1",
                              f"train.precision={precision}", f"parallel.zero1={str(zero1).lower()}")
         trainer = Trainer(config, topology)
-        trainer.train_step()
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert trainer.train() == 0
         named = list(trainer.model.named_parameters())
         return {"sent": dict(trainer.grads.buffers.sent_bytes), "dp": topology.dp, "expert_dp": topology.dp // ep,
+                "printed": printed.getvalue(),
                 "dense": sum(p.numel() for n, p in named if not is_expert_parameter(n)),
                 "expert": sum(p.numel() for n, p in named if is_expert_parameter(n)),
                 "buckets": len(trainer.grads.buffers.buckets)}
@@ -354,7 +359,7 @@ def test_zero1_exchange_sends_at_most_two_thirds_of_all_reduce_plus_broadcast(po
     sends a reduce-scatter of the fp32 gradients and an all-gather of the parameters, counted by the
     buffers, equal to the ring formula over the padded buckets, against an all-reduce of the gradients plus
     the owners' broadcast of the parameters (ZeRO-1 before): 0.6 of it with bf16 parameters, 2/3 plus
-    the padding in fp32. Without ZeRO-1, an all-reduce alone."""
+    the padding in fp32. Without ZeRO-1, an all-reduce alone. Rank 0's start-up line prints its bytes."""
     width = 2 if precision == "bf16" else 4
     runs = {zero1: pools.get(4).run(exchange_bytes, 2, precision, zero1, corpus_cache, str(tmp_path / str(zero1)),
                                     deadline_s=300) for zero1 in (True, False)}
@@ -370,6 +375,9 @@ def test_zero1_exchange_sends_at_most_two_thirds_of_all_reduce_plus_broadcast(po
         print(f"rank {rank} ({precision}): ZeRO-1 sends {sum(sharded['sent'].values())} bytes per step, all-reduce + "
               f"broadcast {before}: {ratio:.4f}")
         assert ratio <= (0.6 if precision == "bf16" else 2 / 3) + 1e-3, rank
+    mib = {kind: f"{size / 2 ** 20:.2f} MiB" for kind, size in runs[True][0]["sent"].items()}
+    assert (f"data-parallel exchange: 2 buckets; rank 0 sends reduce-scatter {mib['reduce_scatter']}, all-gather "
+            f"{mib['all_gather']} per step") in runs[True][0]["printed"]  # the start-up line, on rank 0
 
 
 def dispatch_bytes(fp8_dispatch: bool, cache_dir: str, run_dir: str) -> dict:
