@@ -75,7 +75,8 @@ every device, and the quantizer is the same torch code everywhere, so those are 
 modelled either: the 1x128 quantization of the gradients for the input-gradient GEMMs, and the
 backward of q_a, q_b, kv_a and the dense gate/up projections, smaller than the modelled moments
 while a micro-batch has fewer tokens than the hidden size. The FP8 copies of the weights, one per
-step for all micro-batches, are not activations.
+step for all micro-batches, are not activations: plan.py counts them with the weights
+(`fp8_weight_copy_bytes`).
 
 Outside the decoder layers: the stage input, b d per token; the final norm, LM head and loss
 (`head_memory`, also measured): the fp32 log-probabilities 4V and the norm kept, and in backward the
@@ -87,12 +88,14 @@ with bf16 parameters, leaves out the hidden states that only norms read (`unkept
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 from model.args import FULL_RECOMPUTE, ModelArgs
-from model.fp8 import TILE
+from model.fp8 import TILE, Fp8GemmOps
+from model.layers import GemmOps, GroupedLinear, Linear
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
 from parallel.mixed_precision import PARAM_DTYPES
@@ -502,15 +505,41 @@ class RankParameters:
     tensors: int
 
 
+def _meta_model(args: ModelArgs, stages: list[Stage], gemms: GemmOps | None = None) -> DeepSeekV3:
+    """The trainer's model of a pipeline rank holding `stages`, on the meta device (no memory)."""
+    parts = [ModelPart(tuple(s.layers), embedding=s.embedding, head=s.head) for s in stages]
+    with torch.device("meta"):
+        return DeepSeekV3(args, gemms=gemms, parts=parts)
+
+
 def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> RankParameters:
     """The parameters of a pipeline rank holding `stages`, as the trainer's model for those parts
     (built on the meta device) has them."""
-    parts = [ModelPart(tuple(s.layers), embedding=s.embedding, head=s.head) for s in stages]
-    with torch.device("meta"):
-        model = DeepSeekV3(args, parts=parts)
-    named = dict(model.named_parameters())
+    named = dict(_meta_model(args, stages).named_parameters())
     expert = sum(param.numel() // ep for name, param in named.items() if is_expert_parameter(name))
     dense = sum(param.numel() for name, param in named.items() if not is_expert_parameter(name))
     embedding = named[EMBEDDING].numel() if EMBEDDING in named else 0
     return RankParameters(dense=dense, embedding=embedding, expert=expert, tensors=len(named))
 
+
+def _fp8_weight_copy(groups: int, rows: int, columns: int) -> int:
+    """Bytes of model.fp8.quantize_128x128 of `groups` weights [rows, columns]: 1 byte per element and
+    an fp32 scale per 128x128 block. Where one weight's columns fill whole blocks and only its rows
+    are padded, its E4M3 is a contiguous view of the padded tensor, which it keeps whole."""
+    row_blocks, column_blocks = _ceil_div(rows, TILE), _ceil_div(columns, TILE)
+    stored_rows = row_blocks * TILE if groups == 1 and columns % TILE == 0 else rows
+    return groups * (stored_rows * columns + 4 * row_blocks * column_blocks)
+
+
+def fp8_weight_copy_bytes(args: ModelArgs, stages: list[Stage], ep: int) -> int:
+    """Bytes of the FP8 copies train.precision=fp8 makes of a pipeline rank's weights: one per weight an
+    FP8 GEMM takes (every Linear and expert GEMM but the output head's), made by the step's first
+    forward and shared by its micro-batches until the step ends (model.fp8.Fp8GemmOps.weights_fixed);
+    of the routed experts, this EP rank's."""
+    total = 0
+    for name, module in _meta_model(args, stages, Fp8GemmOps()).named_modules():
+        if isinstance(module, (Linear, GroupedLinear)) and isinstance(module.gemms, Fp8GemmOps):
+            *groups, rows, columns = module.weight.shape
+            local = math.prod(groups) // (ep if is_expert_parameter(f"{name}.weight") else 1)
+            total += _fp8_weight_copy(local, rows, columns)
+    return total

@@ -18,8 +18,8 @@ from moe_train import plan
 from moe_train.config import load_config
 from moe_train.memory_limits import MemoryLimit
 from moe_train.optim import build_optimizer
-from moe_train.plan_stages import RankParameters, Stage, build_stages, head_memory, layer_memory, rank_parameters, \
-    stage_activation_bytes
+from moe_train.plan_stages import RankParameters, Stage, build_stages, fp8_weight_copy_bytes, head_memory, \
+    layer_memory, rank_parameters, stage_activation_bytes
 from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
 from parallel.data_parallel import build_buffers
@@ -217,8 +217,8 @@ def _measure(model: DeepSeekV3, forward: Callable[[], torch.Tensor], seed: int) 
     """(bytes `forward` of `model` allocates and keeps, the most alive during it and its backward) for
     one micro-batch of a step, run as the trainer runs a step: inside the GEMMs' `weights_fixed`.
     Parameters, their pre-made gradients and fp32 main gradients are not counted, nor FP8 weight
-    copies: an earlier micro-batch of the step (a forward before the measurement) made them, and they
-    are made once per step, not per micro-batch."""
+    copies: an earlier micro-batch of the step (a forward before the measurement) made them, and the
+    planner counts them once per rank with the weights (`fp8_weight_copy_bytes`)."""
     print(f"seed {seed}")
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
@@ -353,16 +353,41 @@ def test_traffic_formula_matches_the_measured_backends():
     assert measured[COMBINE, INTRA_NODE] / tokens == pytest.approx(routing.intra_rows * bf16, rel=0.05)
 
 
-def test_fp8_is_planned_as_bf16_and_the_plan_says_so(capsys):
-    """train.precision=fp8 keeps bf16 parameters; its FP8 activation caching is not modelled yet, so its
-    activations are planned as bf16's (an over-estimate), and the plan says so."""
-    outputs = {}
-    for precision in ("bf16", "fp8"):
-        code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--set",
-                          f"train.precision={precision}"])
-        assert code == 0
-        outputs[precision] = capsys.readouterr().out.splitlines()
-    assert [line for line in outputs["fp8"] if "precision" not in line] == \
-        [line for line in outputs["bf16"] if "precision" not in line]
-    assert any("precision fp8 (planned as bf16: FP8 activation caching is not modelled yet" in line
-               for line in outputs["fp8"])
+def test_fp8_weight_copies_are_made_once_per_step_as_planned():
+    """With FP8 GEMMs the first micro-batch of a step quantizes each weight an FP8 GEMM takes and keeps
+    the copies until the step ends (Fp8GemmOps.weights_fixed); the next ones make none. What the first
+    forward leaves alive beyond what the second does is `fp8_weight_copy_bytes` of a whole model with
+    MTP (its output head's GEMM bf16), to the byte."""
+    args = dataclasses.replace(DSV3_16TH, vocab_size=8000, num_layers=2, mtp_num_layers=1)
+    seed = 10
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(seed))
+    model = _trained_model(args, ModelPart.whole(args), "fp8")
+    left = []
+    with model.gemms.weights_fixed(), torch.no_grad():
+        for _ in range(2):
+            with LiveStorage() as memory:
+                model(tokens, tokens)
+                left.append(memory.live())
+    assert left[0] - left[1] == fp8_weight_copy_bytes(args, build_stages(args, 1), ep=1)
+
+
+def test_fp8_plans_bf16_parameters_its_weight_copies_and_its_activations():
+    """train.precision=fp8 keeps bf16's parameters, fp32 main gradients, main parameters and moments; its
+    weights add the step's FP8 copies (a byte and a block scale per element of the GEMM weights: under a
+    byte per parameter, the embedding, norms, routers and output head having none), and the plan's
+    header says so. Its activations are below bf16's where the layers keep theirs (the Linears keep
+    FP8 copies of their inputs) and above them with full recomputation, whose one layer backward at a
+    time re-quantizes its gradients."""
+    plans = {(precision, modules): plan.make_plan(load_config(DSV3, [f"train.precision={precision}",
+                                                                     f"model.recompute_modules={modules}"]), 256, 8)
+             for precision in ("bf16", "fp8") for modules in ("[layernorm,mla_up_proj,moe_act]", "[full]")}
+    for modules, below in (("[layernorm,mla_up_proj,moe_act]", True), ("[full]", False)):
+        for bf16, fp8 in zip(plans["bf16", modules].ranks, plans["fp8", modules].ranks):
+            assert (fp8.main_params, fp8.grads, fp8.optimizer) == (bf16.main_params, bf16.grads, bf16.optimizer)
+            assert 0.5 * fp8.params < fp8.weights - bf16.weights < fp8.params
+            assert (fp8.activations < bf16.activations) == below
+    header = plan.format_plan(plans["fp8", "[full]"]).splitlines()[2]
+    assert header.endswith("precision fp8 (weights include the FP8 copy of each weight its GEMMs take, "
+                           "made once per step)")
