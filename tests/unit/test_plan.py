@@ -43,38 +43,54 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys):
-    code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80"])
+@pytest.mark.parametrize("precision, need", [("bf16", 48.0), ("fp8", 53.0)])
+def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys, precision, need):
+    code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
+                      "--set", f"train.precision={precision}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "every decoder layer recomputed in backward" in out
     assert "pp 16 x dp 128; ep 64 (8 node(s) per EP group), expert-dp 2" in out
     assert "schedule: dualpipe, 16 stages on 16 ranks" in out
-    assert "fits: at most 48.0 GiB per GPU" in out  # the README's figure
+    assert f"fits: at most {need} GiB per GPU" in out  # the README's figure
 
 
-def test_dsv3_without_recomputation_fails_on_activations(capsys):
+@pytest.mark.parametrize("precision, need", [("bf16", 239.0), ("fp8", 221.9)])
+def test_dsv3_without_recomputation_fails_on_activations(capsys, precision, need):
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
-                      "--set", "model.recompute_modules=[]"])
+                      "--set", "model.recompute_modules=[]", "--set", f"train.precision={precision}"])
     err = capsys.readouterr().err
     assert code == 2
     assert "--gpu-memory-gib: pp rank(s) 0,15 need" in err and "largest part: activations" in err
-    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 239.0 GiB" in err  # the README's figure
+    assert f"pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need {need} GiB" in err  # the README's figure
 
 
-def test_dsv3_with_the_papers_selective_recompute_prints_how_far_it_is(capsys):
-    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act] and bf16 parameters."""
+# The README's rows of pp ranks 0 and 1 and what the two groups of ranks need with 4 GiB reserved
+PAPERS_SELECTIVE_RECOMPUTE = {
+    "bf16": (["0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 63.0 17 2.3 94.6",
+              "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 120.3 17 2.3 144.9"], (98.6, 63.0), (148.9, 120.3)),
+    "fp8": (["0 0,15 4.93B 0.53B 12.1 0.6 18.4 1.1 62.3 17 2.3 96.7",
+             "1 1,14 3.27B 1.41B 9.1 1.3 12.2 2.7 117.1 17 2.3 144.7"], (100.7, 62.3), (148.7, 117.1))}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_dsv3_with_the_papers_selective_recompute_prints_how_far_it_is(capsys, precision):
+    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act], bf16 parameters
+    and bf16 or FP8 GEMMs."""
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
-                      "--set", "model.recompute_modules=[layernorm,mla_up_proj,moe_act]"])
+                      "--set", "model.recompute_modules=[layernorm,mla_up_proj,moe_act]",
+                      "--set", f"train.precision={precision}"])
     captured = capsys.readouterr()
     assert code == 2
     assert "selective recompute in backward: layernorm, mla_up_proj, moe_act" in captured.out
     rows = [" ".join(line.split()) for line in captured.out.splitlines()]
-    assert "0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 63.0 17 2.3 94.6" in rows
-    assert "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 120.3 17 2.3 144.9" in rows
-    assert "pp rank(s) 0,15 need 98.6 GiB > 80 GiB; largest part: activations 63.0 GiB" in captured.err
-    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 148.9 GiB > 80 GiB; largest part: activations 120.3 GiB" \
+    expected_rows, (edge_need, edge_activations), (middle_need, middle_activations) = \
+        PAPERS_SELECTIVE_RECOMPUTE[precision]
+    assert all(row in rows for row in expected_rows), rows
+    assert f"pp rank(s) 0,15 need {edge_need} GiB > 80 GiB; largest part: activations {edge_activations} GiB" \
         in captured.err
+    assert f"pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need {middle_need} GiB > 80 GiB; largest part: " \
+           f"activations {middle_activations} GiB" in captured.err
 
 
 @pytest.mark.parametrize("nodes, gpus, key", [(3, 8, "parallel.pp"), (256, 4, "parallel.gpus_per_node")])
