@@ -66,7 +66,9 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
   fp32 gradient per expert, one 128-wide chunk's fp32 product and the chunk's dequantized operands);
   for the routed experts also the gate/up projection's, once the activation's backward has freed
   what it kept. The attention's phase takes the largest of the core's backward, o_proj's weight
-  gradient and kv_b's (after the core's, with the gradients of q, the rope key and kv alive).
+  gradient and kv_b's (after the core's, with the gradients of q, the rope key and kv alive). At
+  DeepSeek-V3's proportions the peak is the routed (MoE) or dense (dense layer) down projection's;
+  the other moments are checked on shapes where they are the peak.
 What is left out, and why: the forward and input-gradient GEMMs of the Linears are torch's blockwise
 kernel on a GPU (model.fp8.fp8_mm), which writes bf16, so the CPU emulation's fp32 partials there
 are not modelled (the measured peaks show they are never the peak at these proportions); the weight
@@ -182,19 +184,20 @@ class Fp8Gemms:
         return 14 * self.padded_slots * width + self.saved_routed_input(width) * self.tokens + 8 * self.slots
 
 
-def _emulated_weight_grad(out_width: int, in_width: int, groups: int, tiles: int) -> int:
-    """model.fp8's emulated weight-gradient GEMM, which every device runs (it returns fp32, which
-    torch's blockwise kernel does not): the fp32 gradient of each group's [out, in] weight, one
-    128-wide chunk's fp32 product and the chunk's dequantized operands [out + in, 128] with their
-    rows' scales (one per tile of the contracted tokens)."""
-    return 4 * (groups + 1) * out_width * in_width + 4 * (TILE + tiles) * (out_width + in_width)
+def _emulated_weight_grad(out_width: int, in_width: int, groups: int, rows: int) -> int:
+    """model.fp8's emulated weight-gradient GEMM over `rows` tokens (or padded routed rows), which every
+    device runs (it returns fp32, which torch's blockwise kernel does not): the fp32 gradient of each
+    group's [out, in] weight, one chunk's fp32 product and the chunk's dequantized operands
+    [out + in, up to 128 rows] with their rows' scales (one per 128-row tile)."""
+    chunk, tiles = min(TILE, rows), _ceil_div(rows, TILE)
+    return 4 * (groups + 1) * out_width * in_width + 4 * (chunk + tiles) * (out_width + in_width)
 
 
 def _fp8_linear_backward(out_width: int, in_width: int, b: int, fp8: Fp8Gemms) -> float:
     """The widest point of an FP8 Linear's backward, its weight gradient: with its input gradient alive
     (b x in, from the input-gradient GEMM before it), the larger of the output gradient's 128x1
     re-quantization and the emulated GEMM (the re-quantized gradient alive)."""
-    gemm = fp8.saved_input(out_width) * fp8.tokens + _emulated_weight_grad(out_width, in_width, 1, fp8.token_tiles)
+    gemm = fp8.saved_input(out_width) * fp8.tokens + _emulated_weight_grad(out_width, in_width, 1, fp8.tokens)
     return b * in_width * fp8.tokens + max(fp8.requantization(out_width), gemm)
 
 
@@ -220,8 +223,10 @@ def _norm_bytes(width: int, bf16: bool) -> int:
 def attention_terms(a: ModelArgs, bf16: bool, fp8: Fp8Gemms | None = None) -> dict[str, float]:
     """Bytes per token the attention half of a layer keeps without recomputation, by what keeps them."""
     d, heads, r, b = a.hidden_size, a.num_attention_heads, a.qk_pos_emb_head_dim, _dtype_bytes(bf16)
-    low_rank_norm = lambda width: _norm_bytes(width, bf16) + _linear_inputs(width, 1, b, fp8) \
-        + 4 * width * (not bf16)  # noqa: E731
+
+    def low_rank_norm(width: int) -> float:  # a LoRA norm and what its up-projection keeps of its output
+        return _norm_bytes(width, bf16) + _linear_inputs(width, 1, b, fp8) + 4 * width * (not bf16)
+
     return {"input_norm": _norm_bytes(d, bf16), "attention_input": _linear_inputs(d, 2, b, fp8),
             "q_norm": low_rank_norm(a.q_lora_rank) if a.q_lora_rank is not None else 0,
             "kv_norm": low_rank_norm(a.kv_lora_rank) + (0 if bf16 else 4 * r),
@@ -301,7 +306,7 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
 
 
 def _swiglu_backward(d: int, width: int, tokens: int, bf16: bool, fp8: Fp8Gemms | None = None) -> float:
-    """With FP8 GEMMs, the down projection's weight-gradient GEMM."""
+    """With FP8 GEMMs, the down projection's weight gradient (`_fp8_linear_backward`)."""
     b = _dtype_bytes(bf16)
     if fp8:
         return _fp8_linear_backward(d, width, b, fp8)
@@ -312,7 +317,7 @@ def _routed_weight_grad(out_width: int, in_width: int, fp8: Fp8Gemms) -> float:
     """The weight gradient of a grouped FP8 GEMM: the larger of its output gradient's 128x1
     re-quantization and its emulated GEMM (the re-quantized gradient alive)."""
     gemm = fp8.saved_routed_input(out_width) * fp8.tokens \
-        + _emulated_weight_grad(out_width, in_width, fp8.groups, fp8.padded_slots // TILE)
+        + _emulated_weight_grad(out_width, in_width, fp8.groups, fp8.padded_slots)
     return max(fp8.routed_requantization(out_width), gemm)
 
 
@@ -331,7 +336,8 @@ def _fp8_routed_backward(a: ModelArgs, bf16: bool, fp8: Fp8Gemms) -> float:
     return max(down, gate_up)
 
 
-def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int, fp8: Fp8Gemms | None = None) -> float:
+def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int,
+                  fp8: Fp8Gemms | None = None) -> float:
     """Gradients and temporaries alive at once at the widest point of the FFN's backward (run first)."""
     d = a.hidden_size
     if not moe:
@@ -361,8 +367,8 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
 
 def _attention_backward(a: ModelArgs, tokens: int, bf16: bool, fp8: Fp8Gemms | None = None) -> float:
     """The attention core's backward: the gradients of q, k, v and of the rope keys, plus q, k and v
-    rebuilt under mla_up_proj (with layernorm, also the latents they come from). With FP8 GEMMs
-    o_proj's weight-gradient GEMM before it, if larger."""
+    rebuilt under mla_up_proj (with layernorm, also the latents they come from). With FP8 GEMMs the
+    largest of that, o_proj's weight gradient before it and kv_b's after it."""
     modules, heads, qk = set(a.recompute_modules), a.num_attention_heads, a.qk_full_head_dim
     b = _dtype_bytes(bf16)
     work = b * heads * (3 * qk + a.qk_pos_emb_head_dim)
