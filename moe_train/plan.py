@@ -11,9 +11,11 @@ per-stage activation estimate), the simulated bubble, and the expert-dispatch tr
 (moe_train/plan_traffic.py).
 
 Memory per rank, as the trainer keeps it (parameter_bytes): the weights (fp32, or bf16 with
-train.precision=bf16) and their fp32 gradients (main gradients of bf16 parameters,
-parallel.mixed_precision), both for every element the pipeline rank holds; fp32 main parameters
-(bf16 only) and Adam's two moments (fp32, or bf16 with optim.moment_dtype) of the data-parallel
+train.precision=bf16 and fp8) and their fp32 gradients (main gradients of bf16 parameters,
+parallel.mixed_precision), both for every element the pipeline rank holds; with fp8 also the FP8
+copy of each weight its GEMMs take (plan_stages.fp8_weight_copy_bytes), counted with the weights:
+made once per step and held through it like them, not per micro-batch; fp32 main parameters (bf16
+parameters only) and Adam's two moments (fp32, or bf16 with optim.moment_dtype) of the data-parallel
 rank's ZeRO-1 shard, an even split of each replica group's elements (zero1_shard_elements: dense
 parameters over dp, experts over expert-dp, both over twice as many ranks where two pipeline ranks
 hold the same parameters), and a step count per tensor (a bound: a shard may not touch every
@@ -35,8 +37,8 @@ from model.flops import count_parameters
 from moe_train.config import Config, ConfigError, load_config, zb_search
 from moe_train.launch_info import layout_errors
 from moe_train.memory_limits import MemoryLimit
-from moe_train.plan_stages import RankParameters, Stage, build_stages, layer_memory, rank_parameters, \
-    stage_activation_bytes
+from moe_train.plan_stages import RankParameters, Stage, bf16_parameters, build_stages, fp8_weight_copy_bytes, \
+    layer_memory, rank_parameters, stage_activation_bytes
 from moe_train.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
@@ -55,7 +57,7 @@ class RankPlan:
     stages: tuple[int, ...]
     dense_params: int  # replicated over dp, includes an embedding copy when MTP needs one here
     expert_params: int  # this rank's share of the routed experts
-    weights: float  # bytes of the model's parameters (fp32: they are the master weights)
+    weights: float  # bytes of the model's parameters (fp32: they are the master weights) and fp8's weight copies
     main_params: float  # bytes of the fp32 main parameters of the ZeRO-1 shard beside bf16 weights (fp32: none)
     grads: float  # bytes of the fp32 gradients the optimizer reads (main gradients of bf16 weights)
     optimizer: float  # bytes of Adam's moments of the ZeRO-1 shard and its step counts
@@ -125,16 +127,10 @@ def _schedule(config: Config, dp: int) -> Schedule:
                                                  f"per step (global batch / (micro-batch x dp={dp})): {err}")]) from None
 
 
-def planned_precision(config: Config) -> str:
-    """The precision the memory terms model: fp8 as bf16 (its bf16 parameters; its FP8 activation
-    caching is not modelled yet, so its activations are over-estimated)."""
-    return "bf16" if config.train.precision == "fp8" else config.train.precision
-
-
 def _stage_activation_bytes(config: Config, stage: Stage) -> tuple[float, float]:
     """moe_train/plan_stages.py's per-micro-batch bytes of `stage` under the run's config."""
     a, t = config.model, config.train
-    return stage_activation_bytes(a, stage, t.micro_batch_size * t.seq_length, planned_precision(config),
+    return stage_activation_bytes(a, stage, t.micro_batch_size * t.seq_length, t.precision,
                                   a.num_moe_experts // config.parallel.ep)
 
 
@@ -165,7 +161,7 @@ def parameter_bytes(config: Config) -> tuple[int, int, int]:
     parallel.mixed_precision keeps them. train.precision=bf16 (and fp8): bf16 weights (2), fp32 main gradients
     (4) of every element, fp32 main parameters (4) of the elements the rank's optimizer steps. fp32:
     the weights (4) are their own main parameters (0), `.grad` their gradients (4)."""
-    return (2, 4, 4) if planned_precision(config) == "bf16" else (4, 4, 0)
+    return (2, 4, 4) if bf16_parameters(config.train.precision) else (4, 4, 0)
 
 
 def zero1_shard_elements(elements: int, members: int) -> int:
@@ -219,14 +215,16 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     ranks = []
     for rank, program in enumerate(schedule.programs):
         on_rank = schedule.placement.stages_on(rank)
-        params = rank_parameters(a, [stages[s] for s in on_rank], p.ep)
+        rank_stages = [stages[s] for s in on_rank]
+        params = rank_parameters(a, rank_stages, p.ep)
+        copies = fp8_weight_copy_bytes(a, rank_stages, p.ep) if t.precision == "fp8" else 0
         paired = any(rank in pair for pair in pairs)
         owned = owned_elements(params, dp, p.ep, p.zero1, 2 if paired and mirror else 1, 2 if paired else 1)
         moe_tokens = sum(tokens * stages[half.stage].moe_layers
                          for action in program for half in action.halves() if half.kind is ActionKind.F)
         ranks.append(RankPlan(
             pp_rank=rank, stages=on_rank, dense_params=params.dense, expert_params=params.expert,
-            weights=weight * (params.dense + params.expert), main_params=main * owned,
+            weights=weight * (params.dense + params.expert) + copies, main_params=main * owned,
             grads=grad * (params.dense + params.expert), optimizer=optimizer_bytes(config, params, owned),
             activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b), buffers=buffers,
             peak_units=timeline.peak_activations[rank],
@@ -279,7 +277,7 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
         tokens = t.micro_batch_size * t.seq_length
         experts = max(1, a.num_moe_experts // config.parallel.ep)
         first = range(-(-a.num_layers // pp))
-        activations = sum(layer_memory(a, a.is_moe_layer(i), tokens, planned_precision(config), experts).kept
+        activations = sum(layer_memory(a, a.is_moe_layer(i), tokens, t.precision, experts).kept
                           for i in first)
     rows = 8 * (t.seq_length + 1) * t.global_batch_size / max(1, world // pp)
     need = (states + activations + rows) / GIB
@@ -305,8 +303,8 @@ def format_plan(plan: ClusterPlan) -> str:
         f"ZeRO-1 {'on' if p.zero1 else 'off'}",
         f"batch: {t.global_batch_size} x {t.seq_length} tokens per step = {plan.microbatches} micro-batches of "
         f"{t.micro_batch_size} per pipeline; precision {t.precision}"
-        + (" (planned as bf16: FP8 activation caching is not modelled yet, an over-estimate)"
-           if t.precision != planned_precision(cfg) else ""),
+        + (" (weights include the FP8 copy of each weight its GEMMs take, made once per step)"
+           if t.precision == "fp8" else ""),
         f"model: {counts.total_with_mtp / 1e9:.1f} B parameters ({counts.total / 1e9:.1f} B + MTP "
         f"{counts.mtp_total / 1e9:.1f} B); {len(plan.stages)} stages: "
         + ", ".join(f"{s.index}:{_stage_label(s)}" for s in plan.stages),

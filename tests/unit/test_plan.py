@@ -6,23 +6,24 @@ from typing import Callable
 
 import pytest
 import torch
-from torch import nn
 
 from benchmarks.dispatch_volume import simulated_traffic
 from model.args import ModelArgs
 from model.block import DecoderLayer
 from model.flops import count_parameters
+from model.fp8 import Fp8GemmOps
 from model.rope import RotaryEmbedding
 from model.transformer import DeepSeekV3, ModelPart
 from moe_train import plan
 from moe_train.config import load_config
 from moe_train.memory_limits import MemoryLimit
 from moe_train.optim import build_optimizer
-from moe_train.plan_stages import RankParameters, Stage, build_stages, head_memory, layer_memory, rank_parameters, \
-    stage_activation_bytes
+from moe_train.plan_stages import RankParameters, Stage, build_stages, fp8_weight_copy_bytes, head_memory, \
+    layer_memory, rank_parameters, stage_activation_bytes
 from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
 from parallel.data_parallel import build_buffers
+from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad
 from parallel.pipeline.builders import build
 from parallel.pipeline.timeline import simulate
 from tests.unit.live_memory import LiveStorage
@@ -32,38 +33,64 @@ DSV3 = str(CONFIGS / "dsv3_671b.yaml")
 TINY = str(CONFIGS / "tiny.yaml")
 
 
-def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys):
-    code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80"])
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the measured layers are tiny, and the FP8 emulation runs many small ops, for
+    which OpenMP threads spin for a long time on shared cores (the fp8 cases took 20x longer with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("precision, need", [("bf16", 48.0), ("fp8", 53.0)])
+def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys, precision, need):
+    code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
+                      "--set", f"train.precision={precision}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "every decoder layer recomputed in backward" in out
     assert "pp 16 x dp 128; ep 64 (8 node(s) per EP group), expert-dp 2" in out
     assert "schedule: dualpipe, 16 stages on 16 ranks" in out
-    assert "fits: at most 48.0 GiB per GPU" in out  # the README's figure
+    assert f"fits: at most {need} GiB per GPU" in out  # the README's figure
 
 
-def test_dsv3_without_recomputation_fails_on_activations(capsys):
+@pytest.mark.parametrize("precision, need", [("bf16", 239.0), ("fp8", 221.9)])
+def test_dsv3_without_recomputation_fails_on_activations(capsys, precision, need):
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
-                      "--set", "model.recompute_modules=[]"])
+                      "--set", "model.recompute_modules=[]", "--set", f"train.precision={precision}"])
     err = capsys.readouterr().err
     assert code == 2
     assert "--gpu-memory-gib: pp rank(s) 0,15 need" in err and "largest part: activations" in err
-    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 239.0 GiB" in err  # the README's figure
+    assert f"pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need {need} GiB" in err  # the README's figure
 
 
-def test_dsv3_with_the_papers_selective_recompute_prints_how_far_it_is(capsys):
-    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act] and bf16 parameters."""
+# The README's rows of pp ranks 0 and 1 and what the two groups of ranks need with 4 GiB reserved
+PAPERS_SELECTIVE_RECOMPUTE = {
+    "bf16": (["0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 63.0 17 2.3 94.6",
+              "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 120.3 17 2.3 144.9"], (98.6, 63.0), (148.9, 120.3)),
+    "fp8": (["0 0,15 4.93B 0.53B 12.1 0.6 18.4 1.1 62.3 17 2.3 96.7",
+             "1 1,14 3.27B 1.41B 9.1 1.3 12.2 2.7 117.1 17 2.3 144.7"], (100.7, 62.3), (148.7, 117.1))}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_dsv3_with_the_papers_selective_recompute_prints_how_far_it_is(capsys, precision):
+    """The README's breakdown of the 671B recipe with [layernorm, mla_up_proj, moe_act], bf16 parameters
+    and bf16 or FP8 GEMMs."""
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
-                      "--set", "model.recompute_modules=[layernorm,mla_up_proj,moe_act]"])
+                      "--set", "model.recompute_modules=[layernorm,mla_up_proj,moe_act]",
+                      "--set", f"train.precision={precision}"])
     captured = capsys.readouterr()
     assert code == 2
     assert "selective recompute in backward: layernorm, mla_up_proj, moe_act" in captured.out
     rows = [" ".join(line.split()) for line in captured.out.splitlines()]
-    assert "0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 63.0 17 2.3 94.6" in rows
-    assert "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 120.3 17 2.3 144.9" in rows
-    assert "pp rank(s) 0,15 need 98.6 GiB > 80 GiB; largest part: activations 63.0 GiB" in captured.err
-    assert "pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need 148.9 GiB > 80 GiB; largest part: activations 120.3 GiB" \
+    expected_rows, (edge_need, edge_activations), (middle_need, middle_activations) = \
+        PAPERS_SELECTIVE_RECOMPUTE[precision]
+    assert all(row in rows for row in expected_rows), rows
+    assert f"pp rank(s) 0,15 need {edge_need} GiB > 80 GiB; largest part: activations {edge_activations} GiB" \
         in captured.err
+    assert f"pp rank(s) 1,2,3,4,5,6,7,8,9,10,11,12,13,14 need {middle_need} GiB > 80 GiB; largest part: " \
+           f"activations {middle_activations} GiB" in captured.err
 
 
 @pytest.mark.parametrize("nodes, gpus, key", [(3, 8, "parallel.pp"), (256, 4, "parallel.gpus_per_node")])
@@ -179,52 +206,94 @@ DSV3_16TH = ModelArgs(hidden_size=448, ffn_hidden_size=1152, num_attention_heads
 TOKENS = 256
 
 
-def _as_trained(block: nn.Module, precision: str) -> nn.Module:
-    """`block` as train.precision keeps it: fp32 as built, or bf16 parameters with fp32 main gradients."""
-    if precision == "bf16":
-        build_buffers(block, None, torch.bfloat16, shard=False)
-    return block
+def _trained_model(args: ModelArgs, part: ModelPart, precision: str) -> DeepSeekV3:
+    """The trainer's model of `part` with pp 1 (moe_train/train.py): fp32 as built, or bf16 parameters with
+    fp32 main gradients; with fp8 also FP8 GEMMs that add their weight gradients into the main gradients."""
+    gemms = Fp8GemmOps(sink=accumulate_weight_grad) if precision == "fp8" else None
+    model = DeepSeekV3(args, gemms=gemms, parts=[part]).train()
+    if precision != "fp32":
+        build_buffers(model, None, PARAM_DTYPES[precision], shard=False)
+    return model
 
 
-def _hidden_state(args: ModelArgs, precision: str, generator: torch.Generator) -> torch.Tensor:
+def _decoder_layer(args: ModelArgs, moe: bool, precision: str) -> tuple[DeepSeekV3, DecoderLayer]:
+    """A model holding one decoder layer (dense or MoE) as the trainer builds it, and that layer."""
+    index = next(i for i in range(args.num_layers) if args.is_moe_layer(i) == moe)
+    model = _trained_model(args, ModelPart((index,), embedding=False, head=False), precision)
+    return model, model.layers[str(index)]
+
+
+def _hidden_state(args: ModelArgs, precision: str, generator: torch.Generator, tokens: int = TOKENS) -> torch.Tensor:
     """A micro-batch's hidden state in the parameters' dtype, as a stage receives it."""
-    h = torch.randn(1, TOKENS, args.hidden_size, generator=generator)
-    return h.to(torch.bfloat16 if precision == "bf16" else torch.float32).requires_grad_()
+    h = torch.randn(1, tokens, args.hidden_size, generator=generator)
+    return h.to(PARAM_DTYPES[precision]).requires_grad_()
 
 
-def _measure(block: nn.Module, forward: Callable[[], torch.Tensor], seed: int) -> tuple[int, int]:
-    """(bytes `forward` of `block` allocates and keeps, the most alive during it and its backward)
-    for one micro-batch; parameters, their pre-made gradients and fp32 main gradients are not counted."""
+def _measure(model: DeepSeekV3, forward: Callable[[], torch.Tensor], seed: int) -> tuple[int, int]:
+    """(bytes `forward` of `model` allocates and keeps, the most alive during it and its backward) for
+    one micro-batch of a step, run as the trainer runs a step: inside the GEMMs' `weights_fixed`.
+    Parameters, their pre-made gradients and fp32 main gradients are not counted, nor FP8 weight
+    copies: an earlier micro-batch of the step (a forward before the measurement) made them, and the
+    planner counts them once per rank with the weights (`fp8_weight_copy_bytes`)."""
     print(f"seed {seed}")
-    for param in block.parameters():
+    for param in model.parameters():
         param.grad = torch.zeros_like(param)
-    with LiveStorage() as memory:
-        out = forward()
-        kept = memory.live()
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype))
-        del out
+    with model.gemms.weights_fixed():
+        if isinstance(model.gemms, Fp8GemmOps):
+            with torch.no_grad():
+                forward()
+        with LiveStorage() as memory:
+            out = forward()
+            kept = memory.live()
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype))
+            del out
     return kept, memory.peak
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("modules", [[], ["full"], ["layernorm"], ["mla_up_proj"], ["moe_act"],
                                      ["layernorm", "mla_up_proj", "moe_act"]], ids=lambda m: "+".join(m) or "none")
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_layer_memory_matches_a_measured_decoder_layer(moe, modules, precision):
     """A real layer's allocations on CPU against `layer_memory` at the same shapes, for each recompute
-    module, fp32 and with bf16 parameters: kept until the backward (with full recomputation: the
-    layer's output, b d per token) within 0.1% (every term is exact: they agree to 1e-5) and the peak
-    within 0.5% (they agree within 0.12%), so that a small term missing shows."""
+    module, fp32, with bf16 parameters and with FP8 GEMMs: kept until the backward (with full
+    recomputation: the layer's output, b d per token) within 0.1% (every term is exact: they agree to
+    2e-5) and the peak within 0.5% (they agree within 0.12%; with FP8 GEMMs, whose peak is a
+    gradient's re-quantization or an emulated weight-gradient GEMM, within 0.05%), so that a small
+    term missing shows."""
     args = dataclasses.replace(DSV3_16TH, recompute_modules=modules)
-    seed = 7
-    torch.manual_seed(seed)
-    layer = _as_trained(DecoderLayer(args, moe=moe).train(), precision)
-    h = _hidden_state(args, precision, torch.Generator().manual_seed(seed))
-    cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
-    kept, peak = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), seed)
+    kept, peak = _measure_layer(args, moe, precision)
     planned = layer_memory(args, moe, TOKENS, precision)
     assert planned.kept == pytest.approx(kept, rel=0.001)
     assert planned.peak == pytest.approx(peak, rel=0.005)
+
+
+def _measure_layer(args: ModelArgs, moe: bool, precision: str, tokens: int = TOKENS) -> tuple[int, int]:
+    """`_measure` of one decoder layer's forward and backward on a micro-batch of `tokens`."""
+    seed = 7
+    torch.manual_seed(seed)
+    model, layer = _decoder_layer(args, moe, precision)
+    h = _hidden_state(args, precision, torch.Generator().manual_seed(seed), tokens)
+    cos, sin = RotaryEmbedding(args)(tokens, h.device)
+    return _measure(model, lambda: layer(h, cos, sin, aux_grad_scale=1.0), seed)
+
+
+@pytest.mark.parametrize("modules", [[], ["layernorm", "mla_up_proj", "moe_act"]], ids=["none", "paper"])
+@pytest.mark.parametrize("moe, shape, tokens", [(False, {"ffn_hidden_size": 128}, TOKENS),
+                                                (True, {"moe_ffn_hidden_size": 512}, TOKENS),
+                                                (False, {"ffn_hidden_size": 128}, 64)],
+                         ids=["narrow-ffn", "wide-experts", "few-tokens"])
+def test_fp8_layer_peaks_away_from_dsv3_proportions(moe, shape, tokens, modules):
+    """The FP8 backward moments that DeepSeek-V3's proportions never make the peak, measured where they
+    are: a dense layer with a narrow FFN peaks in the attention's phase at kv_b's gradient
+    re-quantization, and with 64 tokens (half a scale tile) at o_proj's weight-gradient GEMM; wide
+    routed experts (2f above d) peak at the gate/up projection's re-quantization. Within 0.1% (they
+    agree within 5e-5)."""
+    args = dataclasses.replace(DSV3_16TH, recompute_modules=modules, **shape)
+    kept, peak = _measure_layer(args, moe, "fp8", tokens)
+    planned = layer_memory(args, moe, tokens, "fp8")
+    assert planned.kept == pytest.approx(kept, rel=0.001)
+    assert planned.peak == pytest.approx(peak, rel=0.001)
 
 
 def test_selective_recompute_with_bf16_parameters_keeps_under_60_percent():
@@ -233,11 +302,7 @@ def test_selective_recompute_with_bf16_parameters_keeps_under_60_percent():
     kept = {}
     for modules in ([], ["layernorm", "mla_up_proj", "moe_act"]):
         args = dataclasses.replace(DSV3_16TH, recompute_modules=modules)
-        torch.manual_seed(7)
-        layer = _as_trained(DecoderLayer(args, moe=True).train(), "bf16")
-        h = _hidden_state(args, "bf16", torch.Generator().manual_seed(7))
-        cos, sin = RotaryEmbedding(args)(TOKENS, h.device)
-        kept[len(modules)], _ = _measure(layer, lambda: layer(h, cos, sin, aux_grad_scale=1.0), 7)
+        kept[len(modules)], _ = _measure_layer(args, True, "bf16")
     print({k: v / TOKENS for k, v in kept.items()})
     assert kept[0] / TOKENS == pytest.approx(51289, rel=0.01) and kept[3] / TOKENS == pytest.approx(29001, rel=0.01)
 
@@ -254,8 +319,10 @@ def test_selective_recompute_saves_what_the_paper_says_at_dsv3_scale():
     assert kept[("full",)] == 2 * args.hidden_size * tokens
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 def test_head_memory_matches_the_measured_norm_head_and_loss(precision):
+    """The final norm, LM head and loss against `head_memory` within 3%; with fp8 the head's GEMM stays
+    bf16, as DeepSeek-V3 keeps it."""
     args = dataclasses.replace(DSV3_16TH, vocab_size=8000)
     seed = 8
     torch.manual_seed(seed)
@@ -263,8 +330,7 @@ def test_head_memory_matches_the_measured_norm_head_and_loss(precision):
     h = _hidden_state(args, precision, generator)
     labels = torch.randint(0, args.vocab_size, (1, TOKENS), generator=generator)
     head_part = ModelPart((), embedding=False, head=True)
-    head = DeepSeekV3(dataclasses.replace(args, mtp_num_layers=0), parts=[head_part])  # the final norm and LM head
-    head = _as_trained(head, precision)
+    head = _trained_model(dataclasses.replace(args, mtp_num_layers=0), head_part, precision)  # final norm, LM head
     kept, peak = _measure(head, lambda: head(labels, labels, hidden=h, part=head_part).prediction_loss, seed)
     planned = head_memory(args, TOKENS, precision)
     assert planned.kept == pytest.approx(kept, rel=0.03)
@@ -278,21 +344,24 @@ STAGES = [Stage(0, range(0, 2), embedding=True, head=False, moe_layers=1),
 
 
 @pytest.mark.parametrize("modules", [[], ["layernorm", "mla_up_proj", "moe_act"]], ids=["none", "paper"])
-@pytest.mark.parametrize("stage", STAGES, ids=["first", "head"])
-def test_stage_memory_matches_a_measured_stage(stage, modules):
-    """A real stage's kept bytes with bf16 parameters against `stage_activation_bytes`, within 1%: its
-    layers in a row (a layer's output goes unless the next layer keeps its input: `unkept_hidden_states`)
-    and on the head stage the head and an MTP depth (`mtp_memory`). A received input exists before the
-    forward: not measured."""
+@pytest.mark.parametrize("stage, precision, tolerance",
+                         [(STAGES[0], "bf16", 0.01), (STAGES[1], "bf16", 0.01), (STAGES[1], "fp8", 0.003)],
+                         ids=["first-bf16", "head-bf16", "head-fp8"])
+def test_stage_memory_matches_a_measured_stage(stage, precision, tolerance, modules):
+    """A real stage's kept bytes with bf16 parameters (and on the head stage with FP8 GEMMs) against
+    `stage_activation_bytes`, within 1%: its layers in a row (a layer's output goes unless the next
+    layer keeps its input: `unkept_hidden_states`) and on the head stage the head and an MTP depth
+    (`mtp_memory`). They agree within 0.6%, the rope tables (64 KB here) being the one term not
+    modelled; with FP8 GEMMs within 0.2%, checked within 0.3% so that the MTP projection's FP8 input
+    (0.5% of the stage) shows. A received input exists before the forward: not measured."""
     args = dataclasses.replace(DSV3_16TH, vocab_size=8000, num_layers=3, mtp_num_layers=1, recompute_modules=modules)
-    precision = "bf16"
     seed = 9
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, args.vocab_size, (1, TOKENS), generator=generator)
     h = None if stage.embedding else _hidden_state(args, precision, generator)
     part = ModelPart(tuple(stage.layers), embedding=stage.embedding, head=stage.head)
-    model = _as_trained(DeepSeekV3(args, parts=[part]).train(), precision)
+    model = _trained_model(args, part, precision)
 
     def forward() -> torch.Tensor:
         out = model(tokens, tokens, hidden=h, part=part, aux_grad_scale=1.0)
@@ -301,7 +370,7 @@ def test_stage_memory_matches_a_measured_stage(stage, modules):
     kept, _ = _measure(model, forward, seed)
     planned, _ = stage_activation_bytes(args, stage, TOKENS, precision)
     received = 0 if h is None else h.numel() * h.element_size()
-    assert planned - received == pytest.approx(kept, rel=0.01)
+    assert planned - received == pytest.approx(kept, rel=tolerance)
 
 
 def test_traffic_formula_matches_the_measured_backends():
@@ -319,16 +388,41 @@ def test_traffic_formula_matches_the_measured_backends():
     assert measured[COMBINE, INTRA_NODE] / tokens == pytest.approx(routing.intra_rows * bf16, rel=0.05)
 
 
-def test_fp8_is_planned_as_bf16_and_the_plan_says_so(capsys):
-    """train.precision=fp8 keeps bf16 parameters; its FP8 activation caching is not modelled yet, so its
-    activations are planned as bf16's (an over-estimate), and the plan says so."""
-    outputs = {}
-    for precision in ("bf16", "fp8"):
-        code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--set",
-                          f"train.precision={precision}"])
-        assert code == 0
-        outputs[precision] = capsys.readouterr().out.splitlines()
-    assert [line for line in outputs["fp8"] if "precision" not in line] == \
-        [line for line in outputs["bf16"] if "precision" not in line]
-    assert any("precision fp8 (planned as bf16: FP8 activation caching is not modelled yet" in line
-               for line in outputs["fp8"])
+def test_fp8_weight_copies_are_made_once_per_step_as_planned():
+    """With FP8 GEMMs the first micro-batch of a step quantizes each weight an FP8 GEMM takes and keeps
+    the copies until the step ends (Fp8GemmOps.weights_fixed); the next ones make none. What the first
+    forward leaves alive beyond what the second does is `fp8_weight_copy_bytes` of a whole model with
+    MTP (its output head's GEMM bf16), to the byte."""
+    args = dataclasses.replace(DSV3_16TH, vocab_size=8000, num_layers=2, mtp_num_layers=1)
+    seed = 10
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, args.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(seed))
+    model = _trained_model(args, ModelPart.whole(args), "fp8")
+    left = []
+    with model.gemms.weights_fixed(), torch.no_grad():
+        for _ in range(2):
+            with LiveStorage() as memory:
+                model(tokens, tokens)
+                left.append(memory.live())
+    assert left[0] - left[1] == fp8_weight_copy_bytes(args, build_stages(args, 1), ep=1)
+
+
+def test_fp8_plans_bf16_parameters_its_weight_copies_and_its_activations():
+    """train.precision=fp8 keeps bf16's parameters, fp32 main gradients, main parameters and moments; its
+    weights add the step's FP8 copies (a byte and a block scale per element of the GEMM weights: under a
+    byte per parameter, the embedding, norms, routers and output head having none), and the plan's
+    header says so. Its activations are below bf16's where the layers keep theirs (the Linears keep
+    FP8 copies of their inputs) and above them with full recomputation, whose one layer backward at a
+    time re-quantizes its gradients."""
+    plans = {(precision, modules): plan.make_plan(load_config(DSV3, [f"train.precision={precision}",
+                                                                     f"model.recompute_modules={modules}"]), 256, 8)
+             for precision in ("bf16", "fp8") for modules in ("[layernorm,mla_up_proj,moe_act]", "[full]")}
+    for modules, below in (("[layernorm,mla_up_proj,moe_act]", True), ("[full]", False)):
+        for bf16, fp8 in zip(plans["bf16", modules].ranks, plans["fp8", modules].ranks):
+            assert (fp8.main_params, fp8.grads, fp8.optimizer) == (bf16.main_params, bf16.grads, bf16.optimizer)
+            assert 0.5 * fp8.params < fp8.weights - bf16.weights < fp8.params
+            assert (fp8.activations < bf16.activations) == below
+    header = plan.format_plan(plans["fp8", "[full]"]).splitlines()[2]
+    assert header.endswith("precision fp8 (weights include the FP8 copy of each weight its GEMMs take, "
+                           "made once per step)")
