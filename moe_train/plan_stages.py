@@ -67,7 +67,7 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
   for the routed experts also the gate/up projection's, once the activation's backward has freed
   what it kept. The attention's phase takes the largest of the core's backward, o_proj's weight
   gradient and kv_b's (after the core's, with the gradients of q, the rope key and kv alive). At
-  DeepSeek-V3's proportions the peak is the routed (MoE) or dense (dense layer) down projection's;
+  DeepSeek-V3's proportions the peak is a down projection's (the routed experts' in a MoE layer);
   the other moments are checked on shapes where they are the peak.
 What is left out, and why: the forward and input-gradient GEMMs of the Linears are torch's blockwise
 kernel on a GPU (model.fp8.fp8_mm), which writes bf16, so the CPU emulation's fp32 partials there
