@@ -394,7 +394,7 @@ class Trainer:
             losses = self._forward_backward(self.sampler.next_batch(),
                                             mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
         if self.pipeline is None:
-            self.grads.reduce()
+            self.grads.finish()
         return losses
 
     def apply_update(self) -> dict[str, torch.Tensor]:

@@ -86,18 +86,14 @@ class GradientSync:
             self._start(bucket)
 
     def finish(self) -> None:
-        """Start what is not started yet (in bucket order), wait for every reduction and average the
-        owned gradients over dp."""
+        """Start what is not started yet (in bucket order: without a pipeline, every bucket after the
+        backward), wait for every reduction and average the owned gradients over dp."""
         for bucket in self.buffers.buckets:
             if not bucket.started:
                 self._start(bucket)
         for bucket in self.buffers.buckets:
             bucket.finish_reduction(self.scale)
         self._reset()
-
-    def reduce(self) -> None:
-        """The whole model's reduction at once (after the backward)."""
-        self.finish()
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm of the full model's reduced gradient, each element counted once in the job."""
