@@ -29,7 +29,7 @@ def train_run(config_path: str, precision: str, steps: int, overrides: list[str]
         trainer = Trainer(config)
         trainer.model.train()
         try:
-            losses = [trainer.train_step()["loss"] for _ in range(steps)]
+            losses = [float(trainer.train_step()["loss"]) for _ in range(steps)]
             return TrainingRun(losses, trainer.evaluate() if validate else None)
         finally:
             trainer.logger.close()

@@ -108,17 +108,23 @@ def test_fp8_refuses_torch_compile():
 
 def test_the_fp8_curve_benchmark_reports_both_relative_errors(tmp_path, capsys, monkeypatch):
     """benchmarks/fp8_loss_curves.py on 2 tiny steps: both curves, the training and validation losses'
-    relative errors and the paper's criterion (the README's row is its 400-step demo run)."""
+    relative errors and the paper's criterion (the README's row is its 400-step demo run); a second
+    invocation with the same --runs-file trains nothing and prints the same report."""
     from benchmarks import fp8_loss_curves
 
     monkeypatch.setattr("sys.argv", ["fp8_loss_curves", "--config", TINY, "--steps", "2",
                                      "--set", f"data.cache_dir={tmp_path / 'cache'}",
-                                     "--set", "data.demo_max_bytes=200000"])
+                                     "--set", "data.demo_max_bytes=200000", "--runs-file", str(tmp_path / "runs.json")])
     fp8_loss_curves.main()
     out = capsys.readouterr().out
     assert "step    2  bf16 " in out and " fp8 " in out
     assert "final training loss (mean of the last 10 steps): bf16" in out and "validation loss: bf16" in out
     assert "the paper's criterion, under 0.25%: met" in out
+    monkeypatch.setattr(fp8_loss_curves, "train_run", None)  # a run trained again would fail
+    fp8_loss_curves.main()
+    again = capsys.readouterr().out
+    assert "bf16: the run kept in" in again and "fp8: the run kept in" in again
+    assert again[again.index("config "):] == out[out.index("config "):]
 
 
 def test_inside_weights_fixed_every_micro_batch_shares_one_fp8_copy_of_a_weight():
