@@ -28,7 +28,9 @@ What this module owns:
   accumulated in FP32 (the paper promotes to FP32 every 128 elements of K). The grouped GEMMs are
   emulated on every device in this increment.
 - **FP8 activation caching.** The Functions save the FP8 tensors the backward consumes (the input
-  in the 128x1 tiling, the weight in 128x128 blocks), never a high-precision copy of the input.
+  in the 128x1 tiling, the weight in 128x128 blocks), never a high-precision copy of the input. The
+  routed experts' down projection caches its SwiGLU's input (1x128 tiles) and recomputes the SwiGLU
+  in backward (§3.3.3): `Fp8ActivatedGroupedFunction`.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from model.layers import GemmOps, gemm_dtype, grouped_mm
+from model.recompute import Recompute
 
 E4M3_MAX = 448.0
 TILE = 128
@@ -387,6 +390,47 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
+class Fp8ActivatedGroupedFunction(torch.autograd.Function):
+    """y_g = activation(x, row_weights)_g W_g^T per group, DeepSeek-V3's routed experts' down projection
+    of their SwiGLU (§3.3.3): x (the gate/up output) is cached in FP8, 1x128 tiles, and the activation's
+    output, the GEMM's input, is not kept but recomputed in backward from the dequantized cache. The
+    GEMMs are `Fp8GroupedLinearFunction`'s; the weight gradient's 128x1 operand is quantized from the
+    recomputed activation. The forward computes the activation from x itself, so the cache's rounding
+    reaches the gradients only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ops: Fp8GemmOps) -> torch.Tensor:
+        weight_q = ops.quantized_weight(weight)
+        cache = quantize_1x128(x, ops.power_of_two_scales)
+        hidden = activation(x, row_weights)
+        ctx.save_for_backward(cache.data, cache.scale, row_weights, weight_q.data, weight_q.scale, offsets)
+        ctx.activation, ctx.x_dtype, ctx.weight, ctx.sink = activation, x.dtype, weight, ops.sink
+        ctx.power_of_two_scale = ops.power_of_two_scales
+        ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
+        return fp8_grouped_mm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, offsets,
+                              gemm_dtype(hidden, weight))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        cache_data, cache_scale, row_weights, weight_data, weight_scale, offsets = ctx.saved_tensors
+        with torch.enable_grad():
+            x = dequantize(Fp8Tensor(cache_data, cache_scale, 1), ctx.x_dtype).requires_grad_()
+            row_weights = row_weights.detach().requires_grad_(ctx.needs_input_grad[1])
+            hidden = ctx.activation(x, row_weights)
+        grad_y = grad_y.contiguous()
+        weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
+        grad_hidden = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, offsets, hidden.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            columns, tile_groups = quantize_128x1_grouped(hidden.detach(), offsets, ctx.power_of_two_scale)
+            grad_w = _weight_grad(ctx, functools.partial(_grouped_weight_grad, grad_y, offsets, columns, tile_groups,
+                                                         weight_data.shape[0], ctx.power_of_two_scale))
+        inputs = (x, row_weights) if row_weights.requires_grad else (x,)
+        grads = torch.autograd.grad(hidden, inputs, grad_hidden)
+        return grads[0], grads[1] if len(grads) > 1 else None, grad_w, None, None, None
+
+
 @dataclass
 class _StepWeights:
     """The FP8 copies of the weights made in the current `weights_fixed` scope (None outside one)."""
@@ -423,6 +467,13 @@ class Fp8GemmOps(GemmOps):
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return Fp8GroupedLinearFunction.apply(x, weight, offsets, self)
+
+    def grouped_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                          row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                          recompute: Recompute) -> torch.Tensor:
+        """The activation's input cached in FP8 and its output recomputed, whatever `recompute` holds
+        (DeepSeek-V3's FP8 recipe always does: `Fp8ActivatedGroupedFunction`)."""
+        return Fp8ActivatedGroupedFunction.apply(x, row_weights, weight, offsets, activation, self)
 
     def high_precision(self) -> GemmOps:
         return self._high_precision

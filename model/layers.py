@@ -7,6 +7,7 @@ GEMMs (`parallel.pipeline.wgrad.SplitGemmOps`) without touching the modules.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,13 @@ class GemmOps:
         dtype = gemm_dtype(x, weight)
         return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
 
+    def grouped_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                          row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                          recompute: Recompute) -> torch.Tensor:
+        """`grouped(activation(x, row_weights), weight, offsets)`: the routed experts' down projection of
+        their SwiGLU, the activation rebuilt in backward where `recompute` holds `moe_act`."""
+        return self.grouped(recompute.region("moe_act", activation, x, row_weights), weight, offsets)
+
     def high_precision(self) -> "GemmOps":
         """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
         return self
@@ -156,6 +164,11 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.gemms.grouped(x, self.weight, offsets)
+
+    def forward_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+                          row_weights: torch.Tensor, offsets: torch.Tensor, recompute: Recompute) -> torch.Tensor:
+        """This GEMM of `activation(x, row_weights)` (`GemmOps.grouped_activated`)."""
+        return self.gemms.grouped_activated(activation, x, row_weights, self.weight, offsets, recompute)
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.in_features}, out={self.out_features}"

@@ -56,8 +56,7 @@ class RoutedExperts(nn.Module):
         offsets = torch.cumsum(count_per_expert(local_idx, self.num_local_experts), 0).to(torch.int32)
         gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
         slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
-        hidden = self.recompute.region("moe_act", self._activation, gate_up, slot_weights)
-        out = self.down_proj(hidden, offsets)
+        out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, offsets, self.recompute)
         return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
 
     def _activation(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from model.fp8 import (E4M3_MAX, FP8_DTYPE, Fp8GemmOps, Fp8Tensor, blockwise_sca
                        emulated_fp8_mm, fp8_grouped_mm, fp8_grouped_weight_grad, fp8_mm, quantize_1x128,
                        quantize_128x1, quantize_128x1_grouped, quantize_128x128, quantize_tiles)
 from model.layers import GroupedLinear, Linear
+from model.recompute import Recompute
 
 TILE = 128
 
@@ -449,3 +450,76 @@ def test_blockwise_kernel_is_not_used_on_cpu():
     """The CPU build has `scaled_mm` but refuses blockwise scales at run time: the emulation runs."""
     assert blockwise_scaled_mm_supported("cpu") is False
     assert blockwise_scaled_mm_supported(torch.device("cpu")) is False
+
+
+# ---- the routed experts' SwiGLU: input cached in FP8, output recomputed (§3.3.3) ----
+
+def swiglu(gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up * row_weights
+
+
+def activated_case(seed: int, width: int = 96) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate|up rows [M, 2 width] (2 x 96 = 192 channels: a 1x128 tile straddles gate and up), router
+    weights [M, 1], grouped down-projection weights [G, 144, width] and an output gradient."""
+    gen = generator(seed)
+    rows = sum(GROUP_SIZES)
+    return (tiled_randn((rows, 2 * width), gen, spread=3), torch.rand(rows, 1, generator=gen) + 0.5,
+            torch.stack([tiled_randn((144, width), gen) for _ in GROUP_SIZES]), tiled_randn((rows, 144), gen))
+
+
+def run_activated(layer: GroupedLinear, x: torch.Tensor, row_weights: torch.Tensor,
+                  grad_y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x, row_weights = x.clone().requires_grad_(), row_weights.clone().requires_grad_()
+    y = layer.forward_activated(swiglu, x, row_weights, group_offsets(GROUP_SIZES), Recompute(()))
+    y.backward(grad_y)
+    return y.detach(), x.grad, row_weights.grad, layer.weight.grad
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["amax-scale", "pow2-scale"])
+def test_activated_grouped_gemm_recomputes_the_swiglu_from_its_fp8_cache(power_of_two):
+    """The forward is the FP8 grouped GEMM of the SwiGLU of x itself; the backward's gradients are
+    those of the SwiGLU of x's 1x128 FP8 quantization (the cache) followed by that GEMM, bit for bit:
+    the reference runs the (separately checked) quantizer, dequantizes, and backpropagates through
+    the SwiGLU and `Fp8GroupedLinearFunction` in plain autograd."""
+    x, row_weights, weight, grad_y = activated_case(50 + power_of_two)
+    layer = GroupedLinear(len(GROUP_SIZES), 96, 144)
+    layer.gemms = Fp8GemmOps(power_of_two_scales=power_of_two)
+    layer.weight.data = weight.clone()
+    y, grad_x, grad_row_weights, grad_weight = run_activated(layer, x, row_weights, grad_y)
+
+    reference = GroupedLinear(len(GROUP_SIZES), 96, 144)
+    reference.gemms = Fp8GemmOps(power_of_two_scales=power_of_two)
+    reference.weight.data = weight.clone()
+    offsets = group_offsets(GROUP_SIZES)
+    assert torch.equal(y, reference(swiglu(x, row_weights), offsets).detach())
+    cache = Reference(x, 1, power_of_two)
+    x_cached = cache.values.float().requires_grad_()
+    w_ref = row_weights.clone().requires_grad_()
+    reference(swiglu(x_cached, w_ref), offsets).backward(grad_y)
+    assert torch.equal(grad_x, x_cached.grad) and torch.equal(grad_row_weights, w_ref.grad)
+    assert torch.equal(grad_weight, reference.weight.grad)
+    # the cache's rounding reaches the gradients: recomputing from x itself gives others
+    x_itself = x.clone().requires_grad_()
+    reference(swiglu(x_itself, row_weights), offsets).backward(grad_y)
+    assert not torch.equal(grad_x, x_itself.grad)
+
+
+def test_activated_grouped_gemm_keeps_the_fp8_cache_not_the_activation():
+    """What the backward keeps: the E4M3 gate|up rows in 1x128 tiles with their scales, the router
+    weights, the FP8 weight and the offsets; neither x nor the activation's output in high precision."""
+    x, row_weights, weight, _ = activated_case(52)
+    layer = GroupedLinear(len(GROUP_SIZES), 96, 144)
+    layer.gemms = Fp8GemmOps()
+    saved = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append((tensor.dtype, tuple(tensor.shape)))
+        return tensor
+
+    rows = sum(GROUP_SIZES)
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        layer.forward_activated(swiglu, x.requires_grad_(), row_weights.requires_grad_(), group_offsets(GROUP_SIZES),
+                                Recompute(("moe_act",)))
+    assert saved == [(FP8_DTYPE, (rows, 192)), (torch.float32, (rows, 2)), (torch.float32, (rows, 1)),
+                     (FP8_DTYPE, (4, 144, 96)), (torch.float32, (4, 2, 1)), (torch.int32, (4,))]
