@@ -32,6 +32,22 @@ class AuxLossGradient(torch.autograd.Function):
         return grad_x, torch.full_like(aux_loss, ctx.scale), None
 
 
+class SumByToken(torch.autograd.Function):
+    """out[t] = the sum of the rows of `slots` that belong to token t: `index_add_`, whose backward
+    gathers the output gradient by token. Autograd's own index_add keeps `slots` for its backward (only
+    for its shape); this keeps the index alone."""
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(token)
+        return slots.new_zeros(num_tokens, slots.shape[1]).index_add_(0, token, slots)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token,) = ctx.saved_tensors
+        return grad.index_select(0, token), None, None
+
+
 class RoutedExperts(nn.Module):
     """The experts this rank owns, as two grouped GEMMs (gate|up packed, then down)."""
 
@@ -57,7 +73,7 @@ class RoutedExperts(nn.Module):
         gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
         slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
         out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, offsets, self.recompute)
-        return torch.zeros_like(x, dtype=out.dtype).index_add_(0, token_sorted, out).to(x.dtype)
+        return SumByToken.apply(out, token_sorted, x.shape[0]).to(x.dtype)
 
     def _activation(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the packed gate|up rows, scaled by each slot's router weight (the narrower expert

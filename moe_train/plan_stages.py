@@ -23,8 +23,10 @@ of its input it normalises (in fp32 that is the input itself):
   the norm's output 2d (the shared expert's input);
 - dense FFN: 4 f b (gate, SiLU, up, product);
 - MoE: router 4E + 12k + 4 (+ 4 with the balance loss); two int64 slot orders 16k; routed experts
-  b (2kd + 5kf + k); shared expert 4 fs b; with bf16 parameters the router's fp32 copy of its gate
-  weight, 4 E d per micro-batch (no other weight is copied);
+  b (kd + 5kf + k): their gate/up input, its output, the SiLU, product and scaled product, and the
+  slot weights (their outputs are summed by token without being kept: model.moe.SumByToken); shared
+  expert 4 fs b; with bf16 parameters the router's fp32 copy of its gate weight, 4 E d per
+  micro-batch (no other weight is copied);
 - layer output b d.
 With EP > 1 the dispatch adds its receive buffers and saved ids, which are not counted.
 
@@ -32,9 +34,9 @@ The peak during the layer's backward is the larger of two phases. The FFN's (run
 incoming output gradient (b d) and the gradients and temporaries alive at once at the widest point
 of the FFN's backward: for a SwiGLU of width w, the larger of two gradients of width w and one plus
 the down projection's weight gradient (d w b); for the routed experts, after the shared expert's
-activations are freed, the largest of their output gradient (kd), the down projection's input and
-weight gradients (kf + E d f) and the gate/up projection's (E 2 f d, with 3 kf of activations
-freed). The attention's, once the FFN half is freed: the attention half's bytes, the layer's
+activations are freed, their output gradient (kd, or the one the gate/up projection hands down, as
+large) and the larger of the down projection's input and weight gradients (kf + E d f) and the
+gate/up projection's (E 2 f d, with 3 kf of activations freed). The attention's, once the FFN half is freed: the attention half's bytes, the layer's
 output, the incoming gradient and the residual's gradient (b d each) and the core's gradients,
 b H (3 qk + r).
 
@@ -55,17 +57,19 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
   slots + 127 x local experts, with each tile's expert. Each Linear quantizes its own copy, so the
   attention input (q_a and kv_a) and the FFN's and shared expert's input (gate and up) are kept
   twice, 1 + 1/32 bytes each, where bf16 keeps one tensor of 2;
-- the copies are not recompute regions' outputs, so they stay under layernorm and moe_act:
-  layernorm saves only the norms' own bytes (no norm output is kept), moe_act the SiLU and the
-  product (the down projection's input was never kept in bf16), and mla_up_proj without layernorm
-  keeps the two latents it rebuilds q, k and v from, b (ql + kl);
+- the routed experts keep their SwiGLU's input (the gate/up output) in FP8, 1x128 tiles, and nothing
+  of the SwiGLU or of the down projection's input (§3.3.3: the down projection's backward recomputes
+  them from the cache), with or without moe_act;
+- the copies are not recompute regions' outputs, so they stay under layernorm: layernorm saves only
+  the norms' own bytes (no norm output is kept), and mla_up_proj without layernorm keeps the two
+  latents it rebuilds q, k and v from, b (ql + kl);
 - the peak of the FFN's backward is a down projection's weight gradient, with its input gradient
   alive: the larger of its output gradient's 128x1 re-quantization (the quantizer's fp32 copy
   padded to whole tiles, its scaled and clamped values, 12 bytes per element, and the result; for
   the routed experts also the zero-padded bf16 rows, 2) and its emulated weight-gradient GEMM (the
   fp32 gradient per expert, one 128-wide chunk's fp32 product and the chunk's dequantized operands);
-  for the routed experts also the gate/up projection's, once the activation's backward has freed
-  what it kept. The attention's phase takes the largest of the core's backward, o_proj's weight
+  for the routed experts with the SwiGLU rebuilt from the cache and its 128x1 re-quantization, and
+  also the gate/up projection's, once the down projection's backward has freed the cache. The attention's phase takes the largest of the core's backward, o_proj's weight
   gradient and kv_b's (after the core's, with the gradients of q, the rope key and kv alive). At
   DeepSeek-V3's proportions the peak is a down projection's (the routed experts' in a MoE layer);
   the other moments are checked on shapes where they are the peak.
@@ -76,7 +80,10 @@ gradients (fp32 output, which the kernel does not give) and the grouped GEMMs ru
 every device, and the quantizer is the same torch code everywhere, so those are modelled. Not
 modelled either: the 1x128 quantization of the gradients for the input-gradient GEMMs, and the
 backward of q_a, q_b, kv_a and the dense gate/up projections, smaller than the modelled moments
-while a micro-batch has fewer tokens than the hidden size. The FP8 copies of the weights, one per
+while a micro-batch has fewer tokens than the hidden size; in the routed down projection's
+backward, the cache's dequantization (12 bytes per element of 2kf, before the rebuilt activation
+exists) and the SwiGLU's backward (at most 4 more of kf), below its weight gradient's
+re-quantization whenever d >= f. The FP8 copies of the weights, one per
 step for all micro-batches, are not activations: plan.py counts them with the weights
 (`fp8_weight_copy_bytes`).
 
@@ -170,6 +177,12 @@ class Fp8Gemms:
         tiles = self.padded_slots // TILE
         return (self.padded_slots * width + 4 * width * tiles + 8 * tiles) / self.tokens
 
+    def swiglu_cache(self, width: int) -> float:
+        """Per token, the routed experts' SwiGLU input (their gate/up output, `width` = 2f per slot) cached
+        in FP8 (model.fp8.Fp8ActivatedGroupedFunction): E4M3 in 1x128 tiles, 1 byte per element and
+        an fp32 scale per row and 128 channels."""
+        return self.slots * (width + 4 * _ceil_div(width, TILE)) / self.tokens
+
     def requantization(self, width: int) -> float:
         """Bytes alive while a Linear's output gradient of `width` is quantized into 128x1 tiles for its
         weight gradient (model.fp8.quantize_128x1): the quantizer's fp32 copy padded to whole tiles,
@@ -261,11 +274,11 @@ def ffn_terms(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None = None) 
     k, f = a.moe_router_topk, a.moe_ffn_hidden_size
     router = 4 * a.num_moe_experts + 12 * k + 4 * (a.moe_router_score_function == "sigmoid" and k > 1) \
         + 4 * (a.moe_aux_loss_coeff > 0)
-    # experts: their summed outputs (kept by the index_add_), slot weights and gate/up input; their
-    # activation: as a SwiGLU's of width k f, the down projection's input padded per expert with FP8 GEMMs
+    # experts: their slot weights and gate/up input; their activation: the gate/up output, SiLU, product
+    # and scaled product (the down projection's input), or with FP8 GEMMs the gate/up output cached in FP8
+    activation = fp8.swiglu_cache(2 * f) if fp8 else 5 * b * k * f
     return {**terms, "router_input": 4 * d, "router": router + 16 * k,
-            "experts": b * (k * d + k) + _routed_inputs(d, k, b, fp8),
-            "expert_activation": b * 4 * k * f + _routed_inputs(f, k, b, fp8),
+            "experts": b * k + _routed_inputs(d, k, b, fp8), "expert_activation": activation,
             "shared_expert": _shared_expert_kept(a, bf16, fp8), "output": b * d}
 
 
@@ -280,8 +293,8 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
 
     With FP8 GEMMs no norm's output is kept (its readers keep FP8 copies, which stay), so layernorm
     saves only the norms' own bytes; mla_up_proj without layernorm keeps the two latents it rebuilds
-    q, k and v from (b (ql + kl)), which the FP8 up-projections did not keep; moe_act saves the SiLU
-    and the product (the scaled product was never kept in bf16: the down projection keeps its FP8 copy)."""
+    q, k and v from (b (ql + kl)), which the FP8 up-projections did not keep; moe_act saves nothing:
+    the FP8 experts always keep only their SwiGLU's input, in FP8, and recompute the rest."""
     modules, d, b = set(a.recompute_modules), a.hidden_size, _dtype_bytes(bf16)
     ql, kl, heads = a.q_lora_rank, a.kv_lora_rank, a.num_attention_heads
     norm_output = lambda w: 0 if fp8 else b * w  # noqa: E731 - what a norm's readers keep of its output
@@ -300,8 +313,8 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
             saved["up_projection_inputs"] = -b * ((ql or d) + kl)
     if bf16 and modules & {"layernorm", "mla_up_proj"}:
         saved["kv_a_output"] = -2 * (kl + a.qk_pos_emb_head_dim)
-    if "moe_act" in modules and moe:
-        saved["moe_act"] = (2 if fp8 else 3) * b * a.moe_router_topk * a.moe_ffn_hidden_size
+    if "moe_act" in modules and moe and not fp8:
+        saved["moe_act"] = 3 * b * a.moe_router_topk * a.moe_ffn_hidden_size
     return saved
 
 
@@ -322,18 +335,21 @@ def _routed_weight_grad(out_width: int, in_width: int, fp8: Fp8Gemms) -> float:
 
 
 def _fp8_routed_backward(a: ModelArgs, bf16: bool, fp8: Fp8Gemms) -> float:
-    """The routed experts' backward with FP8 GEMMs at the weight gradient of the down projection (its
-    input gradient, b k f, alive) or, once the activation's backward has freed what it kept, of the
-    gate/up projection (its output gradient, b 2kf, alive). The routed outputs the index_add_ kept
-    are freed first, and the gradient each projection hands down is as large. Under moe_act nothing
-    is rebuilt at either: the FP8 copies are what the projections keep."""
+    """The routed experts' backward with FP8 GEMMs at the weight gradient of the down projection or,
+    once its backward has freed the FP8 cache, of the gate/up projection (its output gradient, b 2kf,
+    alive), each with the gradient of the routed outputs (b k d) or the one the gate/up projection
+    hands down (as large) alive. The down projection's backward rebuilds the SwiGLU from the cache: the
+    dequantized gate/up rows (b 2kf), the SiLU, the product and the scaled product (b kf each), then
+    its input gradient (b kf); its weight gradient then re-quantizes the rebuilt activation into
+    128x1 tiles, then the output gradient (or runs the GEMM), the activation's tiles alive."""
     d, f, tokens = a.hidden_size, a.moe_ffn_hidden_size, fp8.tokens
     intermediate_grad = 2 * a.moe_router_topk * f * tokens  # b k f
-    activation = ffn_terms(a, True, bf16, fp8)["expert_activation"] \
-        - recompute_savings(a, True, bf16, fp8).get("moe_act", 0)
-    down = intermediate_grad + _routed_weight_grad(d, f, fp8)
-    gate_up = 2 * intermediate_grad - activation * tokens + _routed_weight_grad(2 * f, d, fp8)
-    return max(down, gate_up)
+    rebuilt = 5 * intermediate_grad
+    down = rebuilt + intermediate_grad + max(
+        fp8.routed_requantization(f), fp8.saved_routed_input(f) * tokens + _routed_weight_grad(d, f, fp8))
+    cache = ffn_terms(a, True, bf16, fp8)["expert_activation"]
+    gate_up = 2 * intermediate_grad - cache * tokens + _routed_weight_grad(2 * f, d, fp8)
+    return 2 * a.moe_router_topk * d * tokens + max(down, gate_up)
 
 
 def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int,
@@ -356,8 +372,10 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     # backward then frees none of the 3 kf (they were not kept)
     rebuilt = activations if "moe_act" in modules else 0
     unfreed = 3 * activations if "moe_act" in modules else 0
-    routed = max(k * d * b * tokens, activations + experts * d * f * b + rebuilt,
-                 -3 * activations + unfreed + experts * 2 * f * d * b) - freed
+    # the gradient of the routed outputs, then the one the gate/up projection hands down (as large)
+    routed_grad = k * d * b * tokens
+    routed = routed_grad + max(0, activations + experts * d * f * b + rebuilt,
+                               -3 * activations + unfreed + experts * 2 * f * d * b) - freed
     # layernorm: the shared expert's backward rebuilds the post-attention norm's output; in fp32 it
     # stays until the router's backward reads it (4d), with bf16 parameters it goes (the router keeps
     # an fp32 copy) but is not among the kept bytes `freed` counts (2d)
