@@ -265,13 +265,17 @@ def start_up_memory_problems(config: Config, world: int, available: MemoryLimit,
     offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
     (make_plan builds the stages' modules, too slow for a model that is far too large): weights,
     gradients, main parameters and Adam moments (parameter_bytes and moment_bytes: 16 bytes per
-    parameter in fp32, 12 with bf16 moments; 18 and 14 with bf16 parameters) as if spread evenly over
-    all `world` processes, plus one micro-batch's activations of the first stage's layers unless
-    they are recomputed, plus the token rows of a step's micro-batches on this rank (int64, read
-    before the step starts)."""
+    parameter in fp32, 12 with bf16 moments; 18 and 14 with bf16 parameters; with fp8 also the FP8
+    copy of each routed expert weight, 1 byte per element, the bulk of the step's FP8 weight copies)
+    as if spread evenly over all `world` processes, plus one micro-batch's activations of the first
+    stage's layers unless they are recomputed, plus the token rows of a step's micro-batches on this
+    rank (int64, read before the step starts)."""
     a, t, pp = config.model, config.train, config.parallel.pp
     counts = count_parameters(a)
     states = (sum(parameter_bytes(config)) + moment_bytes(config)) * (counts.total + counts.mtp_total) / world
+    if t.precision == "fp8":
+        moe_layers = sum(map(a.is_moe_layer, range(a.num_layers))) + a.mtp_num_layers * (a.num_moe_experts > 0)
+        states += 3 * a.hidden_size * a.moe_ffn_hidden_size * a.num_moe_experts * moe_layers / world
     activations = 0.0
     if FULL_RECOMPUTE not in config.model.recompute_modules:
         tokens = t.micro_batch_size * t.seq_length

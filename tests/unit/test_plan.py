@@ -150,16 +150,19 @@ def test_zero1_shards_are_even_element_ranges():
 
 @pytest.mark.parametrize("precision, moment_dtype, per_parameter", [
     ("fp32", "fp32", 4 + 4 + 8), ("fp32", "bf16", 4 + 4 + 4),  # weights, gradients, moments
-    ("bf16", "fp32", 2 + 4 + 4 + 8), ("bf16", "bf16", 2 + 4 + 4 + 4)])  # + fp32 main parameters
+    ("bf16", "fp32", 2 + 4 + 4 + 8), ("bf16", "bf16", 2 + 4 + 4 + 4),  # + fp32 main parameters
+    ("fp8", "fp32", 2 + 4 + 4 + 8)])  # + the routed experts' FP8 weight copies
 def test_start_up_memory_check_counts_the_bytes_per_parameter_of_each_precision(precision, moment_dtype, per_parameter):
     """The lower bound spreads every parameter's bytes evenly over the processes: bf16 weights with fp32
     main gradients, main parameters and moments (Megatron's mixed precision), or fp32 weights, gradients
-    and moments."""
+    and moments; fp8 adds a byte per routed expert weight (58 MoE layers and the MTP depth's, 256
+    experts of 3 x 7,168 x 2,048)."""
     config = load_config(DSV3, [f"train.precision={precision}", f"optim.moment_dtype={moment_dtype}"])
     [(key, message)] = plan.start_up_memory_problems(config, 256, MemoryLimit(0.0, "a test"), "test memory")
     assert key == "memory"
     counts = count_parameters(config.model)
-    expected = per_parameter * (counts.total + counts.mtp_total) / 256 / plan.GIB
+    fp8_copies = 59 * 256 * 3 * 7168 * 2048 if precision == "fp8" else 0
+    expected = (per_parameter * (counts.total + counts.mtp_total) + fp8_copies) / 256 / plan.GIB
     assert float(re.search(r"and Adam state ([0-9.]+) GiB", message).group(1)) == pytest.approx(expected, abs=0.05)
 
 
