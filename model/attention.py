@@ -34,15 +34,15 @@ class MLA(nn.Module):
         self.kv_lora_rank = args.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         if args.q_lora_rank is None:
-            self.q_proj = Linear(d, heads * qk_dim, std)
+            self.q_proj = Linear(d, heads * qk_dim, std, recompute)
         else:
-            self.q_a_proj = Linear(d, args.q_lora_rank, std)
+            self.q_a_proj = Linear(d, args.q_lora_rank, std, recompute)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.norm_epsilon, recompute)
-            self.q_b_proj = Linear(args.q_lora_rank, heads * qk_dim, std)
-        self.kv_a_proj_with_mqa = Linear(d, args.kv_lora_rank + self.rope_dim, std)
+            self.q_b_proj = Linear(args.q_lora_rank, heads * qk_dim, std, recompute)
+        self.kv_a_proj_with_mqa = Linear(d, args.kv_lora_rank + self.rope_dim, std, recompute)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.norm_epsilon, recompute)
-        self.kv_b_proj = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), std)
-        self.o_proj = Linear(heads * self.v_dim, d, std)
+        self.kv_b_proj = Linear(args.kv_lora_rank, heads * (self.nope_dim + self.v_dim), std, recompute)
+        self.o_proj = Linear(heads * self.v_dim, d, std, recompute)
         self.softmax_scale = softmax_scale(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
         if moe:
             self.mlp = MoE(args, dispatcher, self.recompute)
         else:
-            self.mlp = SwiGLU(args.hidden_size, args.ffn_hidden_size, args.init_method_std)
+            self.mlp = SwiGLU(args.hidden_size, args.ffn_hidden_size, args.init_method_std, self.recompute)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache | None = None,
                 exchange: PackedExchange | None = None, aux_grad_scale: float | None = None) -> torch.Tensor:

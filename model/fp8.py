@@ -309,6 +309,12 @@ WeightGradSink = Callable[[torch.Tensor, Callable[[], torch.Tensor]], None]
 split backward: parallel.pipeline.wgrad); None computes the gradient in the backward."""
 
 
+def _columns(rows: torch.Tensor, power_of_two_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E4M3 data and scales of `rows` in the 128x1 tiling (what an FP8 Linear keeps of its input)."""
+    q = quantize_128x1(rows, power_of_two_scale)
+    return q.data, q.scale
+
+
 def _linear_weight_grad(grad_rows: torch.Tensor, x_columns: Fp8Tensor, power_of_two_scale: bool) -> torch.Tensor:
     """Wgrad in FP8: grad_y^T x from grad_y and x both in 128x1 tiles, fp32."""
     return fp8_mm(quantize_128x1(grad_rows, power_of_two_scale), x_columns, torch.float32)
@@ -331,14 +337,19 @@ def _weight_grad(ctx, compute: Callable[[], torch.Tensor]) -> torch.Tensor | Non
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x W^T with its three GEMMs in FP8: Fprop (x 1x128, W 128x128), Dgrad (grad_y 1x128, W^T
     128x128), Wgrad (grad_y and x in 128x1 tiles; handed to `sink` when given). Saves x in the
-    128x1 tiling and W in FP8."""
+    128x1 tiling and W in FP8; where x is the output of one of `recompute`'s regions (a recomputed
+    norm), the 128x1 copy is rebuilt from the region's replay instead (`Recompute.derived`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ops: Fp8GemmOps) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ops: Fp8GemmOps,
+                recompute: Recompute | None) -> torch.Tensor:
         rows, power_of_two_scale = _flat_rows(x), ops.power_of_two_scales
         weight_q = ops.quantized_weight(weight)
-        x_columns = quantize_128x1(rows, power_of_two_scale) if weight.requires_grad else None
-        ctx.save_for_backward(weight_q.data, weight_q.scale, *_saved(x_columns))
+        columns = (None, None)
+        if weight.requires_grad:
+            quantize = functools.partial(_columns, power_of_two_scale=power_of_two_scale)
+            columns = recompute.derived(quantize, rows) if recompute is not None else quantize(rows)
+        ctx.save_for_backward(weight_q.data, weight_q.scale, *columns)
         ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, ops.sink
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
         y = fp8_mm(quantize_1x128(rows, ops.power_of_two_for(inputs=True)), weight_q, gemm_dtype(x, weight))
@@ -356,7 +367,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if x_data is not None:
             grad_w = _weight_grad(ctx, functools.partial(_linear_weight_grad, grad_rows, Fp8Tensor(x_data, x_scale, 1),
                                                          ctx.power_of_two_scale))
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -462,8 +473,8 @@ class Fp8GemmOps(GemmOps):
         self._high_precision = high_precision or GemmOps()
         self._step = _StepWeights()
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return Fp8LinearFunction.apply(x, weight, self)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        return Fp8LinearFunction.apply(x, weight, self, recompute)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return Fp8GroupedLinearFunction.apply(x, weight, offsets, self)

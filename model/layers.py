@@ -96,7 +96,9 @@ def gemm_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 class GemmOps:
     """The two weight-GEMM entry points, plain autograd; subclassed for the pipeline's B/W split and for FP8."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        """`recompute`: the decoder layer's, for what a GEMM derives from an input its regions rebuild
+        (model.fp8's FP8 copies); F.linear saves the input itself, which the regions already cover."""
         return F.linear(x, weight)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -128,11 +130,14 @@ class GemmOps:
 
 
 class Linear(nn.Module):
-    """Bias-free linear layer whose GEMM goes through `gemms` (the model sets its own)."""
+    """Bias-free linear layer whose GEMM goes through `gemms` (the model sets its own); a decoder
+    layer's Linears get its `recompute` (model.recompute)."""
 
-    def __init__(self, in_features: int, out_features: int, init_std: float = 0.02) -> None:
+    def __init__(self, in_features: int, out_features: int, init_std: float = 0.02,
+                 recompute: Recompute | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.init_std = in_features, out_features, init_std
+        self.recompute = recompute
         self.gemms = GemmOps()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.reset_parameters()
@@ -141,7 +146,7 @@ class Linear(nn.Module):
         nn.init.normal_(self.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemms.linear(x, self.weight)
+        return self.gemms.linear(x, self.weight, self.recompute)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
@@ -202,11 +207,11 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """Dense SwiGLU FFN: down(silu(gate(x)) * up(x)); also the shared expert."""
 
-    def __init__(self, dim: int, hidden: int, init_std: float) -> None:
+    def __init__(self, dim: int, hidden: int, init_std: float, recompute: Recompute | None = None) -> None:
         super().__init__()
-        self.gate_proj = Linear(dim, hidden, init_std)
-        self.up_proj = Linear(dim, hidden, init_std)
-        self.down_proj = Linear(hidden, dim, init_std)
+        self.gate_proj = Linear(dim, hidden, init_std, recompute)
+        self.up_proj = Linear(dim, hidden, init_std, recompute)
+        self.down_proj = Linear(hidden, dim, init_std, recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

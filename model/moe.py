@@ -105,7 +105,7 @@ class MoE(nn.Module):
         self.shared_experts = None
         if args.moe_shared_expert_intermediate_size > 0:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_shared_expert_intermediate_size,
-                                         args.init_method_std)
+                                         args.init_method_std, recompute)
         self.last_aux_loss = torch.zeros(())  # value of the latest forward's balance loss, for logs
 
     def forward(self, x: torch.Tensor, exchange: PackedExchange | None = None,

@@ -20,7 +20,9 @@ of the tensor; unpacking it in backward runs the region again under the forward'
 once for all the tensors that need it, and returns the same view of the new output. A region whose
 internals are large too (a norm, the activation) runs as a non-reentrant checkpoint, so its own
 backward rebuilds them from its inputs. A region's input that is another region's output (the q
-latent norm feeding the up-projection) is kept as a recipe as well.
+latent norm feeding the up-projection) is kept as a recipe as well. What a GEMM derives from a
+region's output for its backward (an FP8 Linear's quantized copy of a norm's output, model.fp8) is
+a recipe too when it goes through `Recompute.derived`: rebuilt from the region's replay.
 
 A replay computes exactly the forward's values from the same inputs, so fp32 gradients are
 bit-identical to no recomputation. No region contains the router, a dispatch or a combine: a
@@ -110,6 +112,22 @@ class Recompute:
         if module not in self.modules or self._outputs is None:
             return fn(*inputs)
         out = checkpoint(fn, *inputs, use_reentrant=False) if CHECKPOINTED[module] else fn(*inputs)
+        self._record(fn, inputs, out)
+        return out
+
+    def derived(self, fn: Callable[..., Any], *inputs: Any) -> Any:
+        """fn(*inputs), a deterministic function that saves nothing itself (it runs where grad is off,
+        as an FP8 GEMM's quantization of its input for the backward): when an input is a region's
+        output, so that the region's replay rebuilds it, its outputs are rebuilt from that replay
+        instead of kept. An FP8 Linear's copy of a recomputed norm's output then costs nothing
+        until the backward, as the norm's output itself."""
+        out = fn(*inputs)
+        if self._outputs is not None and any(self._region_output(x) is not None for x in inputs):
+            self._record(fn, inputs, out)
+        return out
+
+    def _record(self, fn: Callable[..., Any], inputs: tuple[Any, ...], out: Any) -> None:
+        """Remember `out`'s storages as outputs of a recipe that reruns fn on the (packed) inputs."""
         tensors = out if isinstance(out, tuple) else (out,)
         device = tensors[0].device.type
         recipe = _Recipe(fn, [self._pack(x) for x in inputs],
@@ -117,13 +135,17 @@ class Recompute:
         for index, tensor in enumerate(tensors):
             ref = StorageWeakRef(tensor.untyped_storage())
             self._outputs[ref.cdata] = (ref, recipe, index)
-        return out
+
+    def _region_output(self, tensor: Any) -> tuple[StorageWeakRef, _Recipe, int] | None:
+        """The recorded output whose storage `tensor` shares, if any (alive)."""
+        if not isinstance(tensor, torch.Tensor) or self._outputs is None:
+            return None
+        entry = self._outputs.get(StorageWeakRef(tensor.untyped_storage()).cdata)
+        return None if entry is None or entry[0].expired() else entry
 
     def _pack(self, tensor: Any) -> Any:
-        if not isinstance(tensor, torch.Tensor) or self._outputs is None:
-            return tensor
-        entry = self._outputs.get(StorageWeakRef(tensor.untyped_storage()).cdata)
-        if entry is None or entry[0].expired():
+        entry = self._region_output(tensor)
+        if entry is None:
             return tensor
         _, recipe, index = entry
         recipe.pending += 1

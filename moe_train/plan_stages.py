@@ -60,9 +60,11 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
 - the routed experts keep their SwiGLU's input (the gate/up output) in FP8, 1x128 tiles, and nothing
   of the SwiGLU or of the down projection's input (§3.3.3: the down projection's backward recomputes
   them from the cache), with or without moe_act;
-- the copies are not recompute regions' outputs, so they stay under layernorm: layernorm saves only
-  the norms' own bytes (no norm output is kept), and mla_up_proj without layernorm keeps the two
-  latents it rebuilds q, k and v from, b (ql + kl);
+- under layernorm the copies of the norms' outputs are rebuilt in backward from the norms' replay
+  (model.recompute.Recompute.derived) instead of kept: each reader's backward holds its rebuilt copy
+  (the routed experts' and the shared expert's only while they run; kv_b's at its weight gradient,
+  with mla_up_proj beside the q latent that the core's rebuild of q replayed); mla_up_proj without
+  layernorm keeps the two latents it rebuilds q, k and v from, b (ql + kl);
 - the peak of the FFN's backward is a down projection's weight gradient, with its input gradient
   alive: the larger of its output gradient's 128x1 re-quantization (the quantizer's fp32 copy
   padded to whole tiles, its scaled and clamped values, 12 bytes per element, and the result; for
@@ -297,15 +299,18 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
     the FP8 experts always keep only their SwiGLU's input, in FP8, and recompute the rest."""
     modules, d, b = set(a.recompute_modules), a.hidden_size, _dtype_bytes(bf16)
     ql, kl, heads = a.q_lora_rank, a.kv_lora_rank, a.num_attention_heads
-    norm_output = lambda w: 0 if fp8 else b * w  # noqa: E731 - what a norm's readers keep of its output
+    def norm_output(width: int, readers: int) -> float:
+        """What a norm's `readers` Linears keep of its output: the output, or their FP8 copies."""
+        return _linear_inputs(width, readers, b, fp8)
+
     saved: dict[str, float] = {}
     if "layernorm" in modules:
-        low_rank = lambda w: _norm_bytes(w, bf16) + norm_output(w)  # noqa: E731
+        low_rank = lambda w: _norm_bytes(w, bf16) + norm_output(w, 1)  # noqa: E731
         q_norm = low_rank(ql) - 2 * ql * bf16 if ql is not None else 0
-        saved["layernorm_attention"] = _norm_bytes(d, bf16) + norm_output(d) + q_norm + low_rank(kl)
+        saved["layernorm_attention"] = _norm_bytes(d, bf16) + norm_output(d, 2) + q_norm + low_rank(kl)
         # the norm's output: the FFN's input, or in a MoE layer the router's fp32 input (fp32) or the
         # shared expert's input (bf16)
-        output = norm_output(d) * (not (moe and bf16) or a.moe_shared_expert_intermediate_size > 0)
+        output = norm_output(d, 2) * (not (moe and bf16) or a.moe_shared_expert_intermediate_size > 0)
         saved["layernorm_ffn"] = _norm_bytes(d, bf16) + output - 2 * d * bf16
     if "mla_up_proj" in modules:
         saved["mla_up_proj"] = 3 * b * heads * a.qk_full_head_dim
@@ -361,10 +366,12 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     modules = set(a.recompute_modules)
     k, f, fs = a.moe_router_topk, a.moe_ffn_hidden_size, a.moe_shared_expert_intermediate_size
     shared = _swiglu_backward(d, fs, tokens, bf16, fp8) if fs else 0.0
-    # the shared expert's backward runs first and frees what it kept; its input gradient (b d) stays
-    # for the routed experts' to be added
+    # the shared expert's backward runs first and frees what it kept (with FP8 GEMMs under layernorm
+    # its gate and up rebuild their input copies and free them); its input gradient (b d) stays for
+    # the routed experts' to be added
     b = _dtype_bytes(bf16)
-    freed = (_shared_expert_kept(a, bf16, fp8) - b * d) * tokens
+    rebuilt_copies = _linear_inputs(d, 2, b, fp8) if fp8 and fs and "layernorm" in modules else 0
+    freed = (_shared_expert_kept(a, bf16, fp8) - rebuilt_copies - b * d) * tokens
     if fp8:
         return max(shared, _fp8_routed_backward(a, bf16, fp8) - freed)
     activations = k * f * b * tokens
@@ -398,10 +405,16 @@ def _attention_backward(a: ModelArgs, tokens: int, bf16: bool, fp8: Fp8Gemms | N
         return work * tokens
     o_proj = _fp8_linear_backward(a.hidden_size, heads * a.v_head_dim, b, fp8)
     # kv_b's backward runs once the core's saved tensors and o_proj's input are freed, with the
-    # gradients of q, of the rope key and of its own output alive
+    # gradients of q, of the rope key and of its own output alive; under layernorm also the FP8 copy of
+    # its input that it rebuilt from the kv norm's replay, and with mla_up_proj the q latent that the
+    # core's rebuild of q replayed, alive until q_b's backward rebuilds its copy from it
     terms, kv_width = attention_terms(a, bf16, fp8), heads * (a.qk_head_dim + a.v_head_dim)
     core_saved = terms["attention_core"] + terms["qkv"] * ("mla_up_proj" not in modules)
-    gradients = b * (heads * qk + a.qk_pos_emb_head_dim + kv_width)
+    rebuilt = 0
+    if "layernorm" in modules:
+        rebuilt = _linear_inputs(a.kv_lora_rank, 1, b, fp8) + b * (a.q_lora_rank or a.hidden_size) * (
+            "mla_up_proj" in modules)
+    gradients = b * (heads * qk + a.qk_pos_emb_head_dim + kv_width) + rebuilt
     kv_b = (gradients - core_saved) * tokens + _fp8_linear_backward(kv_width, a.kv_lora_rank, b, fp8)
     return max(work * tokens, o_proj, kv_b)
 

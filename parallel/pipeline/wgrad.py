@@ -39,6 +39,7 @@ from torch import nn
 
 from model.fp8 import Fp8GemmOps
 from model.layers import GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
+from model.recompute import Recompute
 from parallel.mixed_precision import accumulate_grad, accumulate_weight_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
 
@@ -189,7 +190,7 @@ class SplitGemmOps(GemmOps):
         """Queue a weight gradient that `compute` returns (model.fp8's FP8 Wgrad) as W work."""
         self.store.put(partial(accumulate_weight_grad, weight, compute))
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         return SplitLinearFunction.apply(x, weight, self.store)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

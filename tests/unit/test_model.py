@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from model.args import ModelArgs
+from model.fp8 import Fp8GemmOps
 from model.dispatcher import LocalDispatcher
 from model.layers import GroupedLinear
 from model.moe import MoE
 from model.mtp import IGNORE_INDEX, shift_left
+from model.recompute import Recompute
 from model.router import sequence_balance_loss
 from model.transformer import DeepSeekV3
+from tests.unit.live_memory import LiveStorage
 
 TINY = ModelArgs()
 
@@ -223,6 +226,53 @@ def test_recompute_in_bf16_is_bit_identical(mode):
         out.loss.backward()
     for (name, a), b in zip(plain.named_parameters(), again.parameters()):
         assert (a.grad.dtype == torch.bfloat16) == (mode == "bf16-parameters") and torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("modules", [["layernorm"], ["layernorm", "mla_up_proj", "moe_act"]], ids="+".join)
+def test_recompute_with_fp8_gemms_is_bit_identical(modules, monkeypatch):
+    """FP8 GEMMs (train.precision=fp8): the FP8 copies the Linears keep of recomputed norms' outputs are
+    rebuilt in backward from the norms' replay (model.recompute.Recompute.derived), the same E4M3
+    values, so the gradients equal no recomputation bit for bit; and the copies are not kept: kept
+    with them rebuilt is less, by exactly their bytes, than kept with them stored."""
+    seed = 11
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    plain = DeepSeekV3(TINY, gemms=Fp8GemmOps()).train().to(torch.bfloat16)
+    again = DeepSeekV3(dataclasses.replace(TINY, recompute_modules=modules), gemms=Fp8GemmOps()).train()
+    again.to(torch.bfloat16).load_state_dict(plain.state_dict())
+    inputs, labels = batch(TINY, seed=seed + 2)
+
+    def kept_and_gradients(model: DeepSeekV3) -> tuple[int, list[torch.Tensor]]:
+        model.zero_grad()
+        with LiveStorage() as memory:
+            out = model(inputs, labels, aux_grad_scale=1.0)
+            kept = memory.live()
+            out.loss.backward()
+        return kept, [p.grad for p in model.parameters()]
+
+    _, expected = kept_and_gradients(plain)
+    kept, grads = kept_and_gradients(again)
+    for (name, _), a, b in zip(plain.named_parameters(), expected, grads):
+        assert torch.equal(a, b), name
+    monkeypatch.setattr(Recompute, "derived", lambda self, fn, *inputs: fn(*inputs))
+    kept_stored, grads_stored = kept_and_gradients(again)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_stored))
+    copies = _fp8_copies_of_norm_outputs(TINY, tokens=inputs.numel())
+    print(f"kept {kept} bytes, {kept_stored} with the copies stored; the copies: {copies}")
+    assert kept_stored - kept == copies
+
+
+def _fp8_copies_of_norm_outputs(args, tokens: int) -> int:
+    """Bytes of the 128x1 E4M3 copies (and their fp32 scales) that a layer's Linears keep of its norms'
+    outputs: q_a and kv_a of the input norm's, q_b of the q norm's, kv_b of the kv norm's, and the
+    dense FFN's or shared expert's gate and up of the post-attention norm's; in every decoder layer
+    and each MTP depth's (a MoE layer)."""
+    tiles = -(-tokens // 128)
+    copy = lambda width: width * (tokens + 4 * tiles)  # noqa: E731
+    moe = [args.is_moe_layer(i) for i in range(args.num_layers)] + [True] * args.mtp_num_layers
+    return sum(2 * copy(args.hidden_size) + copy(args.q_lora_rank) + copy(args.kv_lora_rank)
+               + 2 * copy(args.hidden_size) * (args.moe_shared_expert_intermediate_size > 0 or not is_moe)
+               for is_moe in moe)
 
 
 def test_a_training_forward_without_the_balance_loss_gradient_scale_fails_loudly():
