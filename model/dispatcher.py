@@ -4,6 +4,11 @@
 The MoE block applies router weights and sums over its local experts before `combine`, as DeepEP
 requires, so `combine` is an unweighted sum over the ranks a token went to.
 
+With an FP8 payload `recv_x` is the dequantization of the rows that travelled (E4M3, power-of-two
+scales per row and 128 channels); `take_fp8_rows(handle)` hands those rows over once, for the experts'
+FP8 GEMM to consume without quantizing `recv_x` again, and drops them from the handle, which the
+combine keeps for its backward: the rows must not live that long.
+
 `dispatch` returns the received top-k slots per local expert as a host list, as DeepEP's
 `num_recv_tokens_per_expert_list`: a communicating backend learns them in the count exchange that
 sizes its receive buffers, so reading them costs no further host sync. The local dispatcher moves
@@ -17,9 +22,12 @@ weights. `parallel.dispatch.low_latency_experts` provides it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from model.fp8 import Fp8Tensor
 
 
 def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -51,6 +59,11 @@ class Dispatcher(Protocol):
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int] | None, Any]: ...
+
+    def take_fp8_rows(self, handle: Any) -> Fp8Tensor | None:
+        """The received rows as they travelled in FP8 (1x128 tiles, `recv_x`'s order), released from
+        `handle`; None without an FP8 payload or once taken."""
+        ...
 
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor: ...
 
@@ -85,6 +98,9 @@ class LocalDispatcher:
 
     def dispatch(self, x, topk_idx, topk_weights, layout):
         return x, topk_idx, topk_weights, None, None
+
+    def take_fp8_rows(self, handle: Any) -> None:
+        return None
 
     def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
         return y

@@ -72,6 +72,12 @@ class Fp8Tensor:
             raise ValueError("only 128x128 blocks transpose into a tiling along the other dimension")
         return Fp8Tensor(self.data.transpose(-2, -1), self.scale.transpose(-2, -1), TILE)
 
+    def index_rows(self, index: torch.Tensor) -> Fp8Tensor:
+        """Rows `index` of a 1x128-tiled matrix [rows, cols], each with its own scales."""
+        if self.block_rows != 1 or self.data.dim() != 2:
+            raise ValueError("rows are selected from a 1x128-tiled matrix [rows, cols]")
+        return Fp8Tensor(self.data.index_select(0, index), self.scale.index_select(0, index), 1)
+
 
 def _ceil_div(a: int | torch.Tensor, b: int) -> int | torch.Tensor:
     return -(-a // b)
@@ -372,10 +378,13 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """y_g = x_g W_g^T per group (rows sorted by group, offsets int32 cumulative ends) with its three
-    GEMMs in FP8; the 128x1 tiles of the Wgrad restart at each group (`quantize_128x1_grouped`)."""
+    GEMMs in FP8; the 128x1 tiles of the Wgrad restart at each group (`quantize_128x1_grouped`).
+    Fprop takes `x_fp8` as x's 1x128 quantization when given (the FP8 dispatch's rows), not
+    quantizing x then; x stays the differentiable input and the source of the Wgrad's 128x1 tiles."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ops: Fp8GemmOps) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ops: Fp8GemmOps,
+                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         power_of_two_scale, sink = ops.power_of_two_scales, ops.sink
         weight_q = ops.quantized_weight(weight)
         x_columns, tile_groups = None, None
@@ -384,8 +393,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(weight_q.data, weight_q.scale, offsets, tile_groups, *_saved(x_columns))
         ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
-        return fp8_grouped_mm(quantize_1x128(x, ops.power_of_two_for(inputs=True)), weight_q, offsets,
-                              gemm_dtype(x, weight))
+        if x_fp8 is None:
+            x_fp8 = quantize_1x128(x, ops.power_of_two_for(inputs=True))
+        return fp8_grouped_mm(x_fp8, weight_q, offsets, gemm_dtype(x, weight))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -398,7 +408,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             grad_w = _weight_grad(ctx, functools.partial(
                 _grouped_weight_grad, grad_y.contiguous(), offsets, Fp8Tensor(x_data, x_scale, 1), tile_groups,
                 weight_data.shape[0], ctx.power_of_two_scale))
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class Fp8ActivatedGroupedFunction(torch.autograd.Function):
@@ -464,7 +474,15 @@ class Fp8GemmOps(GemmOps):
     dispatch quantized and the receiver dequantized (exactly, the scale being a power of two) then
     quantizes to the same values (the same codes and scale, or, where a tile's largest value rounded
     down to 224, half the scale and doubled codes), so the GEMM computes with the dispatched payload's
-    values, and one process quantizes these inputs as an EP layout does."""
+    values, and one process quantizes these inputs as an EP layout does.
+
+    The gate/up GEMM then takes the dispatched rows themselves (`grouped`'s `x_fp8`) and skips that
+    second quantization. Its Fprop (emulated on every device) multiplies dequantized fp32 tiles, and the dispatched rows
+    dequantize to the values x has, bit for bit: so the output is the one quantizing x gives, for
+    every tile. That includes the tiles whose amax is under the dispatch's amax floor (1e-4, DeepEP's
+    rule, parallel.dispatch.fp8), which travel with scale 2^-22 where quantizing x picks a power of
+    two no larger (scale 1 for a zero tile): other codes and scale, the same values (a code times 2^k
+    stays an E4M3 code, and that scale keeps it within 448), zeros staying zeros."""
 
     def __init__(self, power_of_two_scales: bool = False, sink: WeightGradSink | None = None,
                  high_precision: GemmOps | None = None) -> None:
@@ -476,8 +494,17 @@ class Fp8GemmOps(GemmOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         return Fp8LinearFunction.apply(x, weight, self, recompute)
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self)
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+        """`x_fp8`: the FP8 dispatch's rows that x was dequantized from, which Fprop takes instead of
+        quantizing x (see the class docstring for why the output is the same); needs power-of-two
+        input scales, as `at_dispatch_boundary(inputs=True)` gives."""
+        if x_fp8 is not None and not (self.power_of_two_for(inputs=True) and x_fp8.block_rows == 1
+                                      and x_fp8.shape == x.shape):
+            raise ValueError("pre-quantized rows must be x's 1x128 tiles, taken by GEMMs whose input scales are "
+                             f"powers of two: rows {tuple(x_fp8.shape)} in {x_fp8.block_rows}-row tiles for x "
+                             f"{tuple(x.shape)}, power-of-two inputs {self.power_of_two_for(inputs=True)}")
+        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self, x_fp8)
 
     def grouped_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                           row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.recompute import Recompute
+
+if TYPE_CHECKING:
+    from model.fp8 import Fp8Tensor
 
 
 def _group_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -101,9 +105,11 @@ class GemmOps:
         (model.fp8's FP8 copies); F.linear saves the input itself, which the regions already cover."""
         return F.linear(x, weight)
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         """Both operands in `gemm_dtype`: a bf16 weight's (bf16 training) or autocast's, whose cast
-        returns the weight gradient in the fp32 of an fp32 weight."""
+        returns the weight gradient in the fp32 of an fp32 weight. `x_fp8`, x as the FP8 dispatch
+        delivered it, is for FP8 GEMMs (model.fp8): these ignore it."""
         dtype = gemm_dtype(x, weight)
         return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
 
@@ -167,8 +173,9 @@ class GroupedLinear(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.gemms.grouped(x, self.weight, offsets)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+        """`x_fp8`: the rows x dequantizes from, as the FP8 dispatch moved them (`GemmOps.grouped`)."""
+        return self.gemms.grouped(x, self.weight, offsets, x_fp8)
 
     def forward_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
                           row_weights: torch.Tensor, offsets: torch.Tensor, recompute: Recompute) -> torch.Tensor:

@@ -7,6 +7,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher, LocalDispatcher, PackedExchange, count_per_expert
+from model.fp8 import Fp8Tensor
 from model.layers import GroupedLinear, SwiGLU
 from model.recompute import Recompute
 from model.router import Router, sequence_balance_loss
@@ -61,16 +62,20 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
         self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
 
-    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor, num_slots: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor, num_slots: int,
+                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         """x [M, d]; local_idx [M, K] local expert ids or -1; `num_slots` of them are not -1 (a host
-        count, so that selecting them needs no host sync); returns sum_k w_k * expert_k(x) [M, d]."""
+        count, so that selecting them needs no host sync); returns sum_k w_k * expert_k(x) [M, d].
+        `x_fp8`: the FP8 rows x was dequantized from (the FP8 dispatch's), gathered per slot as x is,
+        for the gate/up GEMM to take as its quantized input."""
         topk = local_idx.shape[1]
         flat_idx = local_idx.reshape(-1)
         # Slots by expert, in token order within an expert; slots of other ranks' experts sort last.
         order = torch.argsort(torch.where(flat_idx >= 0, flat_idx, self.num_local_experts), stable=True)[:num_slots]
         token_sorted = order // topk
         offsets = torch.cumsum(count_per_expert(local_idx, self.num_local_experts), 0).to(torch.int32)
-        gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets)
+        slots_fp8 = None if x_fp8 is None else x_fp8.index_rows(token_sorted)
+        gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets, slots_fp8)
         slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
         out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, offsets, self.recompute)
         return SumByToken.apply(out, token_sorted, x.shape[0]).to(x.dtype)
@@ -128,7 +133,8 @@ class MoE(nn.Module):
             recv_x, recv_idx, recv_weights, per_expert, handle = self.dispatcher.dispatch(
                 flat, routing.topk_idx, routing.topk_weights, layout)
             num_slots = recv_idx.numel() if per_expert is None else sum(per_expert)
-            out = self.dispatcher.combine(self.experts(recv_x, recv_idx, recv_weights, num_slots), handle)
+            expert_out = self.experts(recv_x, recv_idx, recv_weights, num_slots, self.dispatcher.take_fp8_rows(handle))
+            out = self.dispatcher.combine(expert_out, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         out = out.view(batch, seq, dim)

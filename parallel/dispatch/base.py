@@ -8,7 +8,7 @@ backward of dispatch is that reduction applied to the gradients of `recv_x` and 
 weights; the backward of combine moves the gradient forwards along the cached plan. With `fp8` the
 dispatch's payload, and the gradient combine's backward sends, travel as E4M3 with a power-of-two
 scale per token and 128 channels (DeepSeek-V3 §3.3.3); the combine and dispatch's backward stay in
-the payload's dtype.
+the payload's dtype. The received FP8 rows wait on the plan for `take_fp8_rows`.
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from model.dispatcher import Layout
+from model.fp8 import Fp8Tensor
 from parallel.dispatch.comm import Comm, exchange_counts
-from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
+from parallel.dispatch.fp8 import ReceivedFp8Rows, dequantize_e4m3, quantize_e4m3
 from parallel.dispatch.layout import compute_layout, to_local_expert_ids
 from parallel.dispatch.records import pack_rows, specs_of, unpack_rows
 
@@ -132,7 +133,7 @@ def make_hop(comm: Comm, dest: torch.Tensor, links: list[str | None],
 
 
 @dataclass
-class Plan:
+class Plan(ReceivedFp8Rows):
     """The route of one dispatch; it is also the handle that combine and the backward passes reuse."""
 
     hops: list[Hop]
@@ -159,6 +160,7 @@ class _Dispatch(torch.autograd.Function):
         fields = [*payload, topk_idx.to(torch.int32), topk_weights]
         received, plan, counts = backend.route(fields, layout)
         if backend.fp8:
+            plan.fp8_rows = Fp8Tensor(received[0], received[1], 1)
             recv_x = dequantize_e4m3(received[0], received[1], x.dtype)
         else:
             recv_x = received[0]
@@ -222,8 +224,12 @@ class ExchangeDispatcher:
             raise ValueError("x, topk_idx, topk_weights and the layout must have one row per token")
         return _Dispatch.apply(self, x, topk_weights, topk_idx, layout)
 
+    def take_fp8_rows(self, handle: Plan) -> Fp8Tensor | None:
+        return handle.take_fp8_rows()
+
     def combine(self, y: torch.Tensor, handle: Plan) -> torch.Tensor:
         """Unweighted sum, per source token, of its rows on every rank it went to."""
+        handle.take_fp8_rows()  # dropped if nobody took them: the combine keeps the handle for its backward
         return _Combine.apply(self, y, handle)
 
     def route(self, fields: list[torch.Tensor], layout: Layout) -> tuple[list[torch.Tensor], Plan, list[int]]:

@@ -7,9 +7,11 @@ a 2^-126 floor on the scale) only for tiles whose amax is below 1e-4.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from model.fp8 import E4M3_MAX, power_of_two_ceil
+from model.fp8 import E4M3_MAX, Fp8Tensor, power_of_two_ceil
 
 BLOCK = 128
 AMAX_FLOOR = 1e-4
@@ -50,3 +52,16 @@ def dequantize_e4m3(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     tokens, hidden = q.shape
     blocks = q.float().view(tokens, hidden // BLOCK, BLOCK) * scales.unsqueeze(-1)
     return blocks.view(tokens, hidden).to(dtype)
+
+
+@dataclass(kw_only=True)
+class ReceivedFp8Rows:
+    """A dispatch handle's hold on the rows it received in FP8 until the experts take them
+    (`Dispatcher.take_fp8_rows`): the combine keeps the handle for its backward, the rows must not
+    live that long."""
+
+    fp8_rows: Fp8Tensor | None = None
+
+    def take_fp8_rows(self) -> Fp8Tensor | None:
+        rows, self.fp8_rows = self.fp8_rows, None
+        return rows

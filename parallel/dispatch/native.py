@@ -33,8 +33,9 @@ import torch
 
 from kernels_cuda.config import Config, InternodeConfig
 from model.dispatcher import Layout
+from model.fp8 import Fp8Tensor
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
-from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
+from parallel.dispatch.fp8 import ReceivedFp8Rows, dequantize_e4m3, quantize_e4m3
 from parallel.dispatch.handles import StreamHandle, WorkHandle, comm_stream, complete
 from parallel.dispatch.layout import compute_layout
 
@@ -84,8 +85,9 @@ def handle_fields(handle: Any) -> Any:
 
 
 @dataclass
-class NativeHandle:
-    """What combine and both backward passes reuse: the buffer's handle and this rank's rows per link."""
+class NativeHandle(ReceivedFp8Rows):
+    """What combine and both backward passes reuse: the buffer's handle and this rank's rows per link
+    (and, until `take_fp8_rows`, the received FP8 rows)."""
 
     handle: Any                    # Handle or InternodeHandle: plain tensors, any buffer of the group can use it
     num_topk: int
@@ -141,7 +143,8 @@ class _Dispatch(torch.autograd.Function):
         local = local.to(topk_idx.dtype)
         recv_w = recv_w.to(topk_weights.dtype)
         counts = list(per_expert)  # the buffer's host list (DeepEP's num_recv_tokens_per_expert_list)
-        native = NativeHandle(handle, topk_idx.shape[1], *backend.link_rows(handle))
+        native = NativeHandle(handle, topk_idx.shape[1], *backend.link_rows(handle),
+                              fp8_rows=Fp8Tensor(recv[0], recv[1], 1) if backend.fp8 else None)
         backend.count(DISPATCH, native.dispatch_rows, backend.dispatch_row_bytes(x, topk_idx, topk_weights))
         ctx.backend, ctx.native, ctx.weights_dtype = backend, native, topk_weights.dtype
         ctx.save_for_backward(local)
@@ -247,10 +250,14 @@ class NativeDispatcher:
         self.check_payload(x)
         return _Dispatch.apply(self, x, topk_weights, topk_idx, layout)
 
+    def take_fp8_rows(self, handle: NativeHandle) -> Fp8Tensor | None:
+        return handle.take_fp8_rows()
+
     def combine(self, y: torch.Tensor, handle: NativeHandle) -> torch.Tensor:
         """Unweighted sum, per source token, of its rows on every rank it went to."""
         if not isinstance(handle, NativeHandle):
             raise TypeError(f"dispatcher '{self.name}' combines with its own dispatch handle, got {type(handle).__name__}")
+        handle.take_fp8_rows()  # dropped if nobody took them: the combine keeps the handle for its backward
         return _Combine.apply(self, y, handle)
 
     # ------------------------------------------------------------------ helpers for the autograd functions

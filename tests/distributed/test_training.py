@@ -6,10 +6,12 @@ gradients against the matching slice of the reference) and the updated parameter
 """
 import random
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
+import model.fp8
 from moe_train.config import load_config
 from moe_train.data import build_demo_corpus, load_tokenizer
 from moe_train.optim import set_learning_rate
@@ -438,3 +440,84 @@ def test_native_fp8_dispatch_trains_as_the_pure_torch_fp8_dispatch(pools, kernel
         assert native["traffic"] == hierarchical["traffic"] and sum(native["traffic"].values()) > 0, rank
         assert native["loss"] == hierarchical["loss"] < 4e-4, rank  # EP 4: measured 2.0e-4
         assert native["param"] == hierarchical["param"], rank
+
+
+def gate_up_step(ep: int, gpus_per_node: int, cache_dir: str, run_dir: str, *extra: str) -> dict[bool, dict]:
+    """One fp8 step with `parallel.fp8_dispatch`, twice from the same start: the routed experts' gate/up
+    GEMMs taking the dispatched FP8 rows (True), and, with the GEMM dropping them, quantizing the
+    dequantized rows again as before (False). Per run: the losses, the reduced gradients, what the
+    gate/up GEMMs got (calls, calls given FP8 rows, whether those dequantize to the GEMM's bf16 input
+    bit for bit, how often `quantize_1x128` quantized that input), and the combine handles, which the
+    backward keeps, still holding FP8 rows after the step."""
+    import torch.distributed as dist
+
+    topology = build_topology(pp=1, ep=ep, gpus_per_node=gpus_per_node, timeout_s=60)
+    grouped, quantize = model.fp8.Fp8GemmOps.grouped, model.fp8.quantize_1x128
+    try:
+        runs = {}
+        for taken in (True, False):
+            config = tiny_config(cache_dir, f"{run_dir}_{taken}", f"parallel.ep={ep}", "train.precision=fp8",
+                                 "train.global_batch_size=4", *FP8_DISPATCH, *WIDE, *extra)
+            trainer = Trainer(config, topology)
+            inputs: list[tuple[torch.Tensor, model.fp8.Fp8Tensor | None]] = []
+            for block in trainer.model.moe_blocks():
+                block.experts.gate_up_proj.register_forward_pre_hook(lambda _, args: inputs.append((args[0], args[2])))
+            quantized, handles = [], []
+            dispatcher = trainer.model.moe_blocks()[0].dispatcher  # every MoE block's
+            combine = dispatcher.combine
+
+            def recording_combine(y: torch.Tensor, handle: object) -> torch.Tensor:
+                handles.append(handle)
+                return combine(y, handle)
+
+            def counting_quantize(x: torch.Tensor, *args) -> model.fp8.Fp8Tensor:
+                quantized.append(any(x.data_ptr() == rows.data_ptr() and x.shape == rows.shape for rows, _ in inputs))
+                return quantize(x, *args)
+
+            def dropping_rows(ops: model.fp8.Fp8GemmOps, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                              x_fp8: model.fp8.Fp8Tensor | None = None) -> torch.Tensor:
+                return grouped(ops, x, weight, offsets)
+
+            with mock.patch.object(model.fp8, "quantize_1x128", counting_quantize), \
+                    mock.patch.object(model.fp8.Fp8GemmOps, "grouped", grouped if taken else dropping_rows), \
+                    mock.patch.object(dispatcher, "combine", recording_combine):
+                losses = read_metrics([trainer.compute_gradients()])[0]
+            runs[taken] = {
+                "losses": losses, "grads": {piece.name: piece.grad.clone() for piece in trainer.optimizer.pieces},
+                "gate_up": len(inputs), "with_rows": sum(rows is not None for _, rows in inputs),
+                "rows_match": all(torch.equal(model.fp8.dequantize(rows), x.float()) for x, rows in inputs),
+                "quantized_inputs": sum(quantized), "combines": len(handles),
+                "rows_left": sum(handle.fp8_rows is not None for handle in handles),
+                "dispatcher": type(dispatcher).__name__}
+        return runs
+    finally:
+        topology.destroy_groups()
+        dist.barrier()
+
+
+@pytest.mark.parametrize("dispatcher, gpus_per_node, extra", [
+    ("AllToAllDispatcher", 2, ("parallel.dispatcher=alltoall",)),
+    ("HierarchicalDispatcher", 1, ("parallel.dispatcher=hierarchical",)),  # two nodes of one rank
+    ("NativeDispatcher", 2, NATIVE),  # the intranode kernels' CPU emulation
+], ids=["alltoall", "hierarchical", "native"])
+def test_gate_up_gemm_takes_the_dispatched_fp8_rows(pools, corpus_cache, tmp_path, dispatcher, gpus_per_node, extra,
+                                                    request):
+    """With `parallel.fp8_dispatch` on dp 2 x ep 2, the routed experts' gate/up GEMM takes the rows as the
+    dispatch moved them (E4M3, power-of-two 1x128 scales, gathered per slot as the bf16 rows are) and
+    never quantizes its input; losses and gradients are those of quantizing the dequantized rows again
+    (model.fp8.Fp8GemmOps), bit for bit. No handle the combine keeps for the backward holds the rows."""
+    if dispatcher == "NativeDispatcher":
+        request.getfixturevalue("kernels_cpu")
+    results = pools.get(2).run(gate_up_step, 2, gpus_per_node, corpus_cache, str(tmp_path / "run"), *extra,
+                               deadline_s=300)
+    for rank, runs in enumerate(results):
+        taken, again = runs[True], runs[False]
+        print(f"rank {rank}: loss {taken['losses']['loss']}, {taken['gate_up']} gate/up GEMMs, quantized inputs "
+              f"{taken['quantized_inputs']} taking the rows, {again['quantized_inputs']} without")
+        assert taken["dispatcher"] == again["dispatcher"] == dispatcher, rank
+        assert taken["gate_up"] == taken["with_rows"] == again["gate_up"] > 0 and taken["rows_match"], rank
+        assert taken["quantized_inputs"] == 0 and again["quantized_inputs"] == again["gate_up"], rank
+        assert taken["combines"] == taken["gate_up"] and taken["rows_left"] == 0, rank
+        assert taken["losses"] == again["losses"], rank
+        assert taken["grads"].keys() == again["grads"].keys(), rank
+        assert all(torch.equal(grad, again["grads"][name]) for name, grad in taken["grads"].items()), rank

@@ -21,11 +21,13 @@ A second check is tight: the output equals the float64 product of the reference-
 within the fp32 accumulation term alone, which catches a wrong tiling or a low-precision accumulation.
 """
 import math
+import random
 import struct
 
 import pytest
 import torch
 
+import model.fp8
 from model.fp8 import (E4M3_MAX, FP8_DTYPE, Fp8GemmOps, Fp8Tensor, blockwise_scaled_mm_supported,
                        emulated_fp8_mm, fp8_grouped_mm, fp8_grouped_weight_grad, fp8_mm, quantize_1x128,
                        quantize_128x1, quantize_128x1_grouped, quantize_128x128, quantize_tiles)
@@ -523,3 +525,63 @@ def test_activated_grouped_gemm_keeps_the_fp8_cache_not_the_activation():
                                 Recompute(("moe_act",)))
     assert saved == [(FP8_DTYPE, (rows, 192)), (torch.float32, (rows, 2)), (torch.float32, (rows, 1)),
                      (FP8_DTYPE, (4, 144, 96)), (torch.float32, (4, 2, 1)), (torch.int32, (4,))]
+
+
+# ---- the FP8 dispatch's rows as the gate/up GEMM's quantized input ----
+
+def dispatched_case(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Fp8Tensor]:
+    """bf16 rows [240, 256] as the FP8 dispatch's receiver has them (E4M3 with power-of-two scales, from
+    parallel.dispatch.fp8, dequantized), grouped weights [4, 144, 256] and an output gradient. Some tiles
+    are under the dispatch's amax floor (1e-4): one all zero, one tiny, one whose received amax is between
+    448 x 2^-23 and 1e-4; the rows' `Fp8Tensor` is returned as the dispatch moved it."""
+    from parallel.dispatch.fp8 import dequantize_e4m3, quantize_e4m3
+
+    gen = generator(seed)
+    x = tiled_randn((sum(GROUP_SIZES), 256), gen).bfloat16()
+    x[3, :128] = 0
+    x[10, 128:] *= 1e-7 / x[10, 128:].abs().max()
+    x[20, :128] *= 8e-5 / x[20, :128].abs().max()
+    data, scale = quantize_e4m3(x, round_scale=True)
+    weight = torch.stack([tiled_randn((144, 256), gen) for _ in GROUP_SIZES]).bfloat16()
+    grad_y = tiled_randn((sum(GROUP_SIZES), 144), gen).bfloat16()
+    return dequantize_e4m3(data, scale, torch.bfloat16), weight, grad_y, Fp8Tensor(data, scale, 1)
+
+
+def run_gate_up(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, x_fp8: Fp8Tensor | None,
+                monkeypatch: pytest.MonkeyPatch) -> tuple[tuple[torch.Tensor, ...], int]:
+    """The routed experts' gate/up GEMM (power-of-two input scales at the dispatch boundary) forward and
+    backward; also how often `quantize_1x128` quantized its input x itself."""
+    layer = GroupedLinear(len(GROUP_SIZES), 256, 144).bfloat16()
+    layer.gemms = Fp8GemmOps().at_dispatch_boundary(inputs=True)
+    layer.weight.data = weight.clone()
+    x = x.clone().requires_grad_()
+    calls = []
+    quantize = model.fp8.quantize_1x128
+    monkeypatch.setattr(model.fp8, "quantize_1x128", lambda t, *a: calls.append(t.data_ptr() == x.data_ptr()
+                                                                                  and t.shape == x.shape)
+                        or quantize(t, *a))
+    y = layer(x, group_offsets(GROUP_SIZES), x_fp8)
+    y.backward(grad_y)
+    monkeypatch.setattr(model.fp8, "quantize_1x128", quantize)
+    return (y.detach(), x.grad, layer.weight.grad), sum(calls)
+
+
+@pytest.mark.parametrize("rows", ["quantize_1x128", "dispatch"])
+def test_gate_up_gemm_takes_the_dispatched_fp8_rows_without_quantizing_its_input(rows, monkeypatch):
+    """Given x's 1x128 FP8 rows, the grouped GEMM's Fprop uses them and never quantizes x; output, input
+    and weight gradients are those of quantizing x, bit for bit: for rows equal to quantize_1x128(x,
+    power of two), and for the dispatch's own rows, whose codes and scales differ from those in some
+    tiles (amax under the dispatch's 1e-4 floor, or rounded down to 224) but not their values."""
+    seed = random.SystemRandom().randrange(2 ** 32)
+    x, weight, grad_y, dispatched = dispatched_case(seed)
+    given = quantize_1x128(x, power_of_two_scale=True) if rows == "quantize_1x128" else dispatched
+    if rows == "dispatch":
+        differs = (given.scale != quantize_1x128(x, power_of_two_scale=True).scale).any(1)
+        assert differs[[3, 10]].all(), "the floor's tiles travel with their own scale"
+    want, quantized = run_gate_up(x, weight, grad_y, None, monkeypatch)
+    got, quantized_given = run_gate_up(x, weight, grad_y, given, monkeypatch)
+    assert (quantized, quantized_given) == (1, 0)
+    for name, a, b in zip(("output", "grad x", "grad weight"), got, want):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="powers of two"):  # amax scales would quantize x to other values
+        Fp8GemmOps().grouped(x, weight, group_offsets(GROUP_SIZES), given)
