@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -48,6 +49,10 @@ from model.recompute import Recompute
 
 E4M3_MAX = 448.0
 TILE = 128
+QUANTIZE_CHUNK = 1 << 24
+"""Padded input elements the quantizer converts at once. Its fp32 temporaries (the padded copy and the
+scaled values, 8 bytes per element) are then bounded by this, not by the tensor (a fused kernel
+would have none)."""
 MIN_SCALE = 2.0 ** -126  # fp32's smallest normal
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -106,18 +111,39 @@ def _pad_to_tiles(x: torch.Tensor, block_rows: int) -> torch.Tensor:
 
 
 def quantize_tiles(x: torch.Tensor, block_rows: int, power_of_two_scale: bool = False) -> Fp8Tensor:
-    """x [..., rows, cols] -> E4M3 with one scale per `block_rows` x 128 tile along the last dimension."""
+    """x [..., rows, cols] -> E4M3 with one scale per `block_rows` x 128 tile along the last dimension,
+    converted `quantize_chunk_rows` rows at a time (`QUANTIZE_CHUNK`)."""
     if block_rows not in (1, TILE):
         raise ValueError(f"tiles have 1 or {TILE} rows, got {block_rows}")
     if x.dim() < 2:
         raise ValueError(f"quantization tiles a matrix [..., rows, cols], got shape {tuple(x.shape)}")
     rows, cols = x.shape[-2:]
+    data = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(*x.shape[:-2], _ceil_div(rows, block_rows), _ceil_div(cols, TILE), device=x.device)
+    step = quantize_chunk_rows(x.shape, block_rows)
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        _quantize_into(x[..., start:stop, :], data[..., start:stop, :],
+                       scale[..., start // block_rows:_ceil_div(stop, block_rows), :], block_rows, power_of_two_scale)
+    return Fp8Tensor(data, scale, block_rows)
+
+
+def quantize_chunk_rows(shape: torch.Size | tuple[int, ...], block_rows: int) -> int:
+    """Rows of a [..., rows, cols] input the quantizer converts at once: whole tiles, at most
+    `QUANTIZE_CHUNK` padded elements (at least one row of tiles)."""
+    per_row = math.prod(shape[:-2]) * _ceil_div(shape[-1], TILE) * TILE
+    return block_rows * max(1, QUANTIZE_CHUNK // (per_row * block_rows))
+
+
+def _quantize_into(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block_rows: int,
+                   power_of_two_scale: bool) -> None:
+    """Quantize x [..., rows, cols] (whole tiles of rows, but the last) into `data` and `scale`."""
+    rows, cols = x.shape[-2:]
     padded = _pad_to_tiles(x.detach().float(), block_rows)
     tiles = padded.unflatten(-1, (-1, TILE)).unflatten(-3, (-1, block_rows))  # [..., Rb, block_rows, Cb, 128]
-    scale = tile_scales(tiles.abs().amax(dim=(-3, -1)), power_of_two_scale)
-    scaled = tiles / scale.unsqueeze(-1).unsqueeze(-3)
-    data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE).flatten(-2).flatten(-3, -2)
-    return Fp8Tensor(data[..., :rows, :cols].contiguous(), scale, block_rows)
+    scale.copy_(tile_scales(tiles.abs().amax(dim=(-3, -1)), power_of_two_scale))
+    scaled = (tiles / scale.unsqueeze(-1).unsqueeze(-3)).clamp_(-E4M3_MAX, E4M3_MAX)
+    data.copy_(scaled.flatten(-2).flatten(-3, -2)[..., :rows, :cols])  # the cast to E4M3 in the copy
 
 
 def quantize_1x128(x: torch.Tensor, power_of_two_scale: bool = False) -> Fp8Tensor:

@@ -67,8 +67,9 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
   layernorm keeps the two latents it rebuilds q, k and v from, b (ql + kl);
 - the peak of the FFN's backward is a down projection's weight gradient, with its input gradient
   alive: the larger of its output gradient's 128x1 re-quantization (the quantizer's fp32 copy
-  padded to whole tiles, its scaled and clamped values, 12 bytes per element, and the result; for
-  the routed experts also the zero-padded bf16 rows, 2) and its emulated weight-gradient GEMM (the
+  padded to whole tiles and its scaled values, 8 bytes per element of a chunk of at most
+  model.fp8.QUANTIZE_CHUNK, and the result; for the routed experts also the zero-padded bf16 rows,
+  2 bytes per element) and its emulated weight-gradient GEMM (the
   fp32 gradient per expert, one 128-wide chunk's fp32 product and the chunk's dequantized operands);
   for the routed experts with the SwiGLU rebuilt from the cache and its 128x1 re-quantization, and
   also the gate/up projection's, once the down projection's backward has freed the cache. The attention's phase takes the largest of the core's backward, o_proj's weight
@@ -105,7 +106,7 @@ from dataclasses import dataclass
 import torch
 
 from model.args import FULL_RECOMPUTE, ModelArgs
-from model.fp8 import TILE, Fp8GemmOps
+from model.fp8 import TILE, Fp8GemmOps, quantize_chunk_rows
 from model.layers import GemmOps, GroupedLinear, Linear
 from model.transformer import DeepSeekV3, ModelPart
 from parallel.data_parallel import is_expert_parameter
@@ -187,16 +188,24 @@ class Fp8Gemms:
 
     def requantization(self, width: int) -> float:
         """Bytes alive while a Linear's output gradient of `width` is quantized into 128x1 tiles for its
-        weight gradient (model.fp8.quantize_128x1): the quantizer's fp32 copy padded to whole tiles,
-        its scaled and its clamped values (12 bytes per padded element) and its result."""
-        return 12 * width * TILE * self.token_tiles + self.saved_input(width) * self.tokens
+        weight gradient (model.fp8.quantize_128x1): the quantizer's temporaries and its result."""
+        return quantizer_temporaries(width, self.tokens) + self.saved_input(width) * self.tokens
 
     def routed_requantization(self, width: int) -> float:
         """Bytes alive while a routed gradient of `width` is re-quantized into 128x1 tiles for the weight
-        gradient (model.fp8.quantize_128x1_grouped): per padded element the zero-padded bf16 rows (2) and
-        the quantizer's fp32 padded copy, scaled and clamped values (12), besides its result (as
-        `saved_routed_input`) and each row's padded position (int64)."""
-        return 14 * self.padded_slots * width + self.saved_routed_input(width) * self.tokens + 8 * self.slots
+        gradient (model.fp8.quantize_128x1_grouped): the zero-padded bf16 rows (2 bytes per padded element)
+        and the quantizer's temporaries, besides its result (as `saved_routed_input`) and each row's
+        padded position (int64)."""
+        return 2 * self.padded_slots * width + quantizer_temporaries(width, self.padded_slots) \
+            + self.saved_routed_input(width) * self.tokens + 8 * self.slots
+
+
+def quantizer_temporaries(rows: int, cols: int) -> int:
+    """Bytes model.fp8's quantizer allocates besides its result while it converts x [rows, cols] into
+    1x128 tiles (the 128x1 tiling of a [cols, rows] tensor): one chunk of `quantize_chunk_rows` rows'
+    fp32 copy padded to whole tiles and scaled values (8 bytes per element) and its tile scales."""
+    chunk, tiles = min(rows, quantize_chunk_rows((rows, cols), 1)), _ceil_div(cols, TILE)
+    return 8 * chunk * tiles * TILE + 4 * chunk * tiles
 
 
 def _emulated_weight_grad(out_width: int, in_width: int, groups: int, rows: int) -> int:
@@ -561,11 +570,8 @@ def rank_parameters(args: ModelArgs, stages: list[Stage], ep: int) -> RankParame
 
 def _fp8_weight_copy(groups: int, rows: int, columns: int) -> int:
     """Bytes of model.fp8.quantize_128x128 of `groups` weights [rows, columns]: 1 byte per element and
-    an fp32 scale per 128x128 block. Where one weight's columns fill whole blocks and only its rows
-    are padded, its E4M3 is a contiguous view of the padded tensor, which it keeps whole."""
-    row_blocks, column_blocks = _ceil_div(rows, TILE), _ceil_div(columns, TILE)
-    stored_rows = row_blocks * TILE if groups == 1 and columns % TILE == 0 else rows
-    return groups * (stored_rows * columns + 4 * row_blocks * column_blocks)
+    an fp32 scale per 128x128 block."""
+    return groups * (rows * columns + 4 * _ceil_div(rows, TILE) * _ceil_div(columns, TILE))
 
 
 def fp8_weight_copy_bytes(args: ModelArgs, stages: list[Stage], ep: int) -> int:

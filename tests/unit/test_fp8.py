@@ -27,12 +27,15 @@ import struct
 import pytest
 import torch
 
+import model.fp8 as fp8
+
 import model.fp8
 from model.fp8 import (E4M3_MAX, FP8_DTYPE, Fp8GemmOps, Fp8Tensor, blockwise_scaled_mm_supported,
                        emulated_fp8_mm, fp8_grouped_mm, fp8_grouped_weight_grad, fp8_mm, quantize_1x128,
                        quantize_128x1, quantize_128x1_grouped, quantize_128x128, quantize_tiles)
 from model.layers import GroupedLinear, Linear
 from model.recompute import Recompute
+from tests.unit.live_memory import LiveStorage
 
 TILE = 128
 
@@ -162,6 +165,36 @@ def test_quantizer_is_bit_exact(tiling, power_of_two, dtype):
     assert subnormal.any(), "the random tiles should reach E4M3's subnormals"
     zero_tile_scales = q.scale[:1, :1] if tiling == "128x128" else q.scale[:TILE, :1]
     assert bool((zero_tile_scales == 1).all())
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
+def test_quantizer_in_chunks_is_bit_exact_and_bounds_its_temporaries(tiling, monkeypatch):
+    """With `QUANTIZE_CHUNK` small the quantizer converts a few rows of tiles at a time (several chunks,
+    the last one short): the same codes and scales as the reference, and its largest temporary
+    allocation is one chunk's fp32 copy, not the whole tensor's. A grouped [G, rows, cols] weight is
+    chunked along its rows too."""
+    quantize, block_rows, transposed = TILINGS[tiling]
+    gen = generator(110 + list(TILINGS).index(tiling))
+    x = tiled_randn((300, 200), gen, spread=10)
+    monkeypatch.setattr(fp8, "QUANTIZE_CHUNK", 2 * TILE * TILE)
+    rows, cols = (x.t() if transposed else x).shape
+    chunk_rows = fp8.quantize_chunk_rows((rows, cols), block_rows)
+    assert chunk_rows < rows, "several chunks"
+    with LiveStorage() as memory:
+        q = quantize(x)
+        largest = memory.peak
+    assert_matches_reference(q, Reference(x.t() if transposed else x, block_rows))
+    result = q.data.numel() + 4 * q.scale.numel()
+    padded_rows, padded_cols = -(-rows // block_rows) * block_rows, -(-cols // TILE) * TILE
+    whole, chunk = 8 * padded_rows * padded_cols, 8 * chunk_rows * padded_cols  # fp32 padded and scaled values
+    print(f"peak {largest} bytes: the result {result} and the temporaries of one chunk ({chunk}) where the whole "
+          f"tensor's would be {whole}")
+    assert largest == result + chunk + 4 * (chunk_rows // block_rows) * (padded_cols // TILE)  # + its scales
+    grouped = torch.stack([tiled_randn((300, 200), gen) for _ in range(3)])
+    q_grouped = fp8.quantize_128x128(grouped)
+    for group in range(3):
+        assert_matches_reference(Fp8Tensor(q_grouped.data[group], q_grouped.scale[group], TILE),
+                                 Reference(grouped[group], TILE))
 
 
 def special_rows() -> torch.Tensor:

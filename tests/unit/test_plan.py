@@ -43,7 +43,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("precision, need", [("bf16", 48.0), ("fp8", 53.3)])
+@pytest.mark.parametrize("precision, need", [("bf16", 48.0), ("fp8", 50.8)])
 def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys, precision, need):
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
                       "--set", f"train.precision={precision}"])
@@ -55,7 +55,7 @@ def test_dsv3_fits_256_nodes_of_8_x_80_gib_with_recomputation(capsys, precision,
     assert f"fits: at most {need} GiB per GPU" in out  # the README's figure
 
 
-@pytest.mark.parametrize("precision, need", [("bf16", 209.5), ("fp8", 163.6)])
+@pytest.mark.parametrize("precision, need", [("bf16", 209.5), ("fp8", 161.1)])
 def test_dsv3_without_recomputation_fails_on_activations(capsys, precision, need):
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8", "--gpu-memory-gib", "80",
                       "--set", "model.recompute_modules=[]", "--set", f"train.precision={precision}"])
@@ -69,8 +69,8 @@ def test_dsv3_without_recomputation_fails_on_activations(capsys, precision, need
 PAPERS_SELECTIVE_RECOMPUTE = {
     "bf16": (["0 0,15 4.93B 0.53B 9.2 0.6 18.4 1.1 61.7 17 2.3 93.3",
               "1 1,14 3.27B 1.41B 6.1 1.3 12.2 2.7 90.9 17 2.3 115.6"], (97.3, 61.7), (119.6, 90.9)),
-    "fp8": (["0 0,15 4.93B 0.53B 12.1 0.6 18.4 1.1 55.0 17 2.3 89.4",
-             "1 1,14 3.27B 1.41B 9.1 1.3 12.2 2.7 67.6 17 2.3 95.3"], (93.4, 55.0), (99.3, 67.6))}
+    "fp8": (["0 0,15 4.93B 0.53B 12.1 0.6 18.4 1.1 54.3 17 2.3 88.7",
+             "1 1,14 3.27B 1.41B 9.1 1.3 12.2 2.7 65.1 17 2.3 92.8"], (92.7, 54.3), (96.8, 65.1))}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -282,16 +282,18 @@ def _measure_layer(args: ModelArgs, moe: bool, precision: str, tokens: int = TOK
 
 
 @pytest.mark.parametrize("modules", [[], ["layernorm", "mla_up_proj", "moe_act"]], ids=["none", "paper"])
-@pytest.mark.parametrize("moe, shape, tokens", [(False, {"ffn_hidden_size": 128}, TOKENS),
+@pytest.mark.parametrize("moe, shape, tokens", [(False, {"ffn_hidden_size": 128}, 192),
                                                 (True, {"moe_ffn_hidden_size": 512}, TOKENS),
                                                 (False, {"ffn_hidden_size": 128}, 64)],
                          ids=["narrow-ffn", "wide-experts", "few-tokens"])
 def test_fp8_layer_peaks_away_from_dsv3_proportions(moe, shape, tokens, modules):
     """The FP8 backward moments that DeepSeek-V3's proportions never make the peak, measured where they
     are: a dense layer with a narrow FFN peaks in the attention's phase at kv_b's gradient
-    re-quantization, and with 64 tokens (half a scale tile) at o_proj's weight-gradient GEMM; wide
-    routed experts (2f above d) peak at the gate/up projection's re-quantization. Within 0.1% (they
-    agree within 5e-5)."""
+    re-quantization (192 tokens: with 256 and the paper's modules the replayed up-projections'
+    emulated forward GEMMs, whose fp32 partials a GPU's FP8 kernel does not allocate, peak higher on
+    this CPU), and with 64 tokens (half a scale tile) at o_proj's weight-gradient GEMM; wide routed
+    experts (2f above d) peak at the gate/up projection's re-quantization. Within 0.1% (they agree
+    within 5e-5)."""
     args = dataclasses.replace(DSV3_16TH, recompute_modules=modules, **shape)
     kept, peak = _measure_layer(args, moe, "fp8", tokens)
     planned = layer_memory(args, moe, tokens, "fp8")
@@ -416,16 +418,19 @@ def test_fp8_plans_bf16_parameters_its_weight_copies_and_its_activations():
     weights add the step's FP8 copies (a byte and a block scale per element of the GEMM weights: under a
     byte per parameter, the embedding, norms, routers and output head having none), and the plan's
     header says so. Its activations are below bf16's where the layers keep theirs (the Linears keep
-    FP8 copies of their inputs) and above them with full recomputation, whose one layer backward at a
-    time re-quantizes its gradients."""
+    FP8 copies of their inputs); with full recomputation, whose one layer backward at a time differs
+    (FP8 copies kept, the SwiGLU rebuilt, gradients re-quantized in chunks), within 1 GiB of them."""
     plans = {(precision, modules): plan.make_plan(load_config(DSV3, [f"train.precision={precision}",
                                                                      f"model.recompute_modules={modules}"]), 256, 8)
              for precision in ("bf16", "fp8") for modules in ("[layernorm,mla_up_proj,moe_act]", "[full]")}
-    for modules, below in (("[layernorm,mla_up_proj,moe_act]", True), ("[full]", False)):
+    for modules in ("[layernorm,mla_up_proj,moe_act]", "[full]"):
         for bf16, fp8 in zip(plans["bf16", modules].ranks, plans["fp8", modules].ranks):
             assert (fp8.main_params, fp8.grads, fp8.optimizer) == (bf16.main_params, bf16.grads, bf16.optimizer)
             assert 0.5 * fp8.params < fp8.weights - bf16.weights < fp8.params
-            assert (fp8.activations < bf16.activations) == below
+            if modules == "[full]":
+                assert abs(fp8.activations - bf16.activations) < plan.GIB
+            else:
+                assert fp8.activations < bf16.activations
     header = plan.format_plan(plans["fp8", "[full]"]).splitlines()[2]
     assert header.endswith("precision fp8 (weights include the FP8 copy of each weight its GEMMs take, "
                            "made once per step)")
