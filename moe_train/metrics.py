@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from moe_train.data.atomic import temp_path_for
+from moe_train.atomic import temp_path_for
 from moe_train.data.errors import DataError
 
 METRICS_FILE = "metrics.jsonl"

@@ -5,10 +5,10 @@
 
 Validates the config and the layout (parallel.topology.layout_problems, the launcher's batch
 check, the pipeline schedule's requirements), then prints per pipeline rank: parameters (stage
-split in moe_train/plan_stages.py; routed experts divided over ep), weights, fp32 main parameters,
+split in moe_train/preflight/plan_stages.py; routed experts divided over ep), weights, fp32 main parameters,
 gradients and Adam state, peak activations (the simulated schedule's F/backward order times the
 per-stage activation estimate), the simulated bubble, and the expert-dispatch traffic per step
-(moe_train/plan_traffic.py).
+(moe_train/preflight/plan_traffic.py).
 
 Memory per rank, as the trainer keeps it (parameter_bytes): the weights (fp32, or bf16 with
 train.precision=bf16 and fp8) and their fp32 gradients (main gradients of bf16 parameters,
@@ -19,9 +19,9 @@ parameters only) and Adam's two moments (fp32, or bf16 with optim.moment_dtype) 
 rank's ZeRO-1 shard, an even split of each replica group's elements (zero1_shard_elements: dense
 parameters over dp, experts over expert-dp, both over twice as many ranks where two pipeline ranks
 hold the same parameters), and a step count per tensor (a bound: a shard may not touch every
-tensor); activations as moe_train/plan_stages.py models them; the native dispatcher's buffers; and
+tensor); activations as moe_train/preflight/plan_stages.py models them; the native dispatcher's buffers; and
 --reserve-gib for the CUDA context, NCCL's buffers and allocator fragmentation.
-model.recompute_modules lowers what each decoder layer keeps (moe_train/plan_stages.py): with
+model.recompute_modules lowers what each decoder layer keeps (moe_train/preflight/plan_stages.py): with
 [full] a stage stores the layer inputs plus one layer's activations at a time. Exit 2 with every
 problem named by its config key when the layout cannot work, or when --gpu-memory-gib is given and
 a rank does not fit.
@@ -34,12 +34,13 @@ from dataclasses import dataclass
 
 from model.args import FULL_RECOMPUTE
 from model.flops import count_parameters
-from moe_train.config import Config, ConfigError, load_config, zb_search
-from moe_train.launch_info import layout_errors
-from moe_train.memory_limits import MemoryLimit
-from moe_train.plan_stages import RankParameters, Stage, bf16_parameters, build_stages, fp8_weight_copy_bytes, \
+from moe_train.config import Config, ConfigError, load_config
+from moe_train.preflight.layout import layout_errors
+from moe_train.preflight.memory_limits import MemoryLimit
+from moe_train.preflight.pipeline import choose_schedule
+from moe_train.preflight.plan_stages import RankParameters, Stage, bf16_parameters, build_stages, fp8_weight_copy_bytes, \
     layer_memory, rank_parameters, stage_activation_bytes
-from moe_train.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
+from moe_train.preflight.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
 from parallel.pipeline.ir import ActionKind, Schedule
@@ -115,20 +116,21 @@ def _layout_problems(config: Config, nodes: int, gpus_per_node: int) -> list[tup
 
 
 def _schedule(config: Config, dp: int) -> Schedule:
-    p, t = config.parallel, config.train
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.pp == 1:
-        return build("1f1b", 1, microbatches)
+    """The schedule the run settles to (zb-auto: searched with the builder's default costs)."""
+    choice = choose_schedule(config, dp, warm_up=False)
+    if choice.pp == 1:
+        return build("1f1b", 1, choice.microbatches)
     try:
-        return build(p.schedule, p.pp, microbatches, p.virtual_stages if p.virtual_stages > 1 else None,
-                     *zb_search(p))
+        return build(choice.name, choice.pp, choice.microbatches, choice.virtual_stages, choice.costs,
+                     choice.memory_limit)
     except ValueError as err:
-        raise ConfigError([("parallel.schedule", f"{p.schedule} over pp={p.pp} with {microbatches} micro-batches "
-                                                 f"per step (global batch / (micro-batch x dp={dp})): {err}")]) from None
+        raise ConfigError([("parallel.schedule", f"{choice.name} over pp={choice.pp} with {choice.microbatches} "
+                                                 f"micro-batches per step (global batch / (micro-batch x dp={dp})): "
+                                                 f"{err}")]) from None
 
 
 def _stage_activation_bytes(config: Config, stage: Stage) -> tuple[float, float]:
-    """moe_train/plan_stages.py's per-micro-batch bytes of `stage` under the run's config."""
+    """moe_train/preflight/plan_stages.py's per-micro-batch bytes of `stage` under the run's config."""
     a, t = config.model, config.train
     return stage_activation_bytes(a, stage, t.micro_batch_size * t.seq_length, t.precision,
                                   a.num_moe_experts // config.parallel.ep)
@@ -262,7 +264,7 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
 
 def start_up_memory_problems(config: Config, world: int, available: MemoryLimit, memory: str) -> list[tuple[str, str]]:
     """A lower bound of one process's memory against `available`, what `memory` (e.g. "cpu memory")
-    offers each process here (moe_train.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
+    offers each process here (moe_train.preflight.memory_limits): checked at start-up, before the model is allocated. Cheap and analytical
     (make_plan builds the stages' modules, too slow for a model that is far too large): weights,
     gradients, main parameters and Adam moments (parameter_bytes and moment_bytes: 16 bytes per
     parameter in fp32, 12 with bf16 moments; 18 and 14 with bf16 parameters) as if spread evenly over

@@ -3,7 +3,7 @@
 
 CKPT is a checkpoint root (its latest iteration) or an `iter_*` folder. The prompt is encoded with
 `data.tokenizer`, prefilled through the configured dispatcher and decoded token by token with the
-KV cache and the low-latency exchange (`moe_train.decoding`); MTP layers are not loaded. Under
+KV cache and the low-latency exchange (`moe_train.generate.decoding`); MTP layers are not loaded. Under
 torchrun with `parallel.ep` = the number of processes, each process holds and loads only its
 experts, every process runs the same prompt, and rank 0's token is broadcast at each step. Output
 (rank 0): the prompt and the continuation as text, streamed as tokens arrive, or with `--json` one
@@ -25,15 +25,15 @@ import torch.distributed as dist
 import yaml
 
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import CheckpointError, checkpoint_folder, load_checkpoint
+from moe_train.checkpoint.dcp import CheckpointError, checkpoint_folder, load_checkpoint
 from moe_train.config import Config, ConfigError, load_config
 from moe_train.data import DataError, load_tokenizer
 from moe_train.data.tokenizers import Tokenizer
-from moe_train.decoding import generate_ids
+from moe_train.generate.decoding import generate_ids
 from moe_train.runtime import device_type, select_device
-from moe_train.sampling import next_token
-from moe_train.exit_codes import EXIT_BAD_INPUT
-from moe_train.train import choose_dispatcher
+from moe_train.generate.sampling import next_token
+from moe_train.launch.exit_codes import EXIT_BAD_INPUT
+from moe_train.preflight.start_up import choose_dispatcher
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.low_latency import LowLatencyExchange
