@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from moe_train.atomic import fsync_dir
+from moe_train.atomic import fsync_dir, publish_bytes, write_durable
 from moe_train.checkpoint.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
 from parallel.flat_range import FlatRange
 from parallel.mixed_precision import checkpoint_values, set_parameters
@@ -125,7 +125,8 @@ def list_iterations(root: str | os.PathLike) -> list[int]:
 
 
 def write_latest(root: str | os.PathLike, step: int) -> None:
-    _write_atomic(Path(root) / LATEST_FILE, f"{step}\n".encode())
+    latest = Path(root) / LATEST_FILE
+    publish_bytes(latest, f"{step}\n".encode(), temp=_tmp_name(latest), durable=True)
 
 
 def latest_iteration(root: str | os.PathLike) -> int | None:
@@ -430,11 +431,11 @@ def _prepare_root(root: Path, tmp: Path) -> None:
 
 def _write_rank_files(tmp: Path, rng: dict[str, Any], extra: dict, text_files: dict[str, str] | None,
                       coordinator: bool) -> None:
-    _write_durable(tmp / f"rng_rank{_global_rank()}.pt", _to_bytes(rng))
+    write_durable(tmp / f"rng_rank{_global_rank()}.pt", _to_bytes(rng))
     if coordinator:
-        _write_durable(tmp / EXTRA_FILE, _to_bytes(extra))
+        write_durable(tmp / EXTRA_FILE, _to_bytes(extra))
         for name, text in (text_files or {}).items():
-            _write_durable(tmp / name, text.encode())
+            write_durable(tmp / name, text.encode())
 
 
 def _publish(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
@@ -494,20 +495,6 @@ def _to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    _write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool, restore_rng: bool,
