@@ -38,8 +38,9 @@ from moe_train.config import Config, ConfigError, load_config
 from moe_train.preflight.layout import layout_errors
 from moe_train.preflight.memory_limits import MemoryLimit
 from moe_train.preflight.pipeline import choose_schedule
-from moe_train.preflight.plan_stages import RankParameters, Stage, bf16_parameters, build_stages, fp8_weight_copy_bytes, \
-    layer_memory, rank_parameters, stage_activation_bytes
+from moe_train.preflight.plan_stages import (RankParameters, Stage, bf16_parameters, build_stages,
+                                             fp8_weight_copy_bytes, layer_memory, rank_parameters,
+                                             stage_activation_bytes)
 from moe_train.preflight.plan_traffic import communication_buffer_bytes, expected_routing, token_traffic
 from parallel.adamw import MOMENT_DTYPES
 from parallel.pipeline.builders import build
