@@ -1,6 +1,7 @@
 """This process's start-up checks, before anything is allocated or written: the dispatcher that can
-run here, the process group and layout, the files the run reads, and what this machine refuses
-(refuse_at_start_up; the launcher runs the same through `moe_train.preflight.launch_info`).
+run here, the process group and layout (training's start_distributed, generation's
+start_expert_parallel), the files the run reads, and what this machine refuses (refuse_at_start_up;
+the launcher runs the same through `moe_train.preflight.launch_info`).
 """
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ def start_distributed(config: Config) -> Topology | None:
         if measures_zb_costs(p):  # what the warm-up switches to must fit as well
             plan_pipeline(config, topology.dp, Costs())
     return topology
+
+
+def start_expert_parallel(config: Config) -> Topology | None:
+    """Generation's layout: the EP group spanning every process when launched with several (torchrun or srun), else None."""
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    p = config.parallel
+    if p.pp != 1:
+        raise ConfigError([("parallel.pp", f"generation runs without pipeline stages, got {p.pp}")])
+    if p.ep != world:
+        raise ConfigError([("parallel.ep", f"generation spreads the experts over all {world} process(es): set "
+                                           f"parallel.ep={world}, got {p.ep}")])
+    if world == 1:
+        return None
+    try:
+        return init_distributed(1, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
+                                num_experts=config.model.num_moe_experts)
+    except TopologyError as err:
+        raise ConfigError(err.problems) from None
 
 
 def input_problems(config: Config) -> list[tuple[str, str]]:
