@@ -253,6 +253,11 @@ class Trainer:
                                process_group=None if self.topology is None else dist.group.WORLD,
                                ema=self.ema_state())
 
+    def _inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's token rows on the device as (input ids, labels): the ids shifted by one."""
+        rows = rows.to(self.device, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
     def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, torch.Tensor]:
         """Backward of this rank's mean loss; returns the global-batch mean of each loss part (on the device)."""
         if self.pipeline is not None:
@@ -260,9 +265,8 @@ class Trainer:
         parts = ("loss", *LOSS_PARTS)
         sums = torch.zeros(len(parts), dtype=torch.float64, device=self.device)
         scale = 1.0 / len(micro_batches)
-        for rows in micro_batches:
-            rows = rows.to(self.device, non_blocking=True)
-            out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
+        for ids, labels in map(self._inputs, micro_batches):
+            out = self.model(ids, labels, mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
             (out.loss * scale).backward()
             sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
@@ -275,7 +279,7 @@ class Trainer:
         """The same through the pipeline runtime; loss parts come from the stages that compute them."""
         assert self.pipeline is not None and self.topology is not None
         scale = 1.0 / len(micro_batches)
-        batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
+        batches = [self._inputs(rows) for rows in micro_batches]
         sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads, mtp_loss_scale=mtp_scale))
         if self.zb_meter is not None:
             self._measure_zb_costs(self.zb_meter)
@@ -368,8 +372,7 @@ class Trainer:
                 return self._pipeline_evaluate()
             mbs, total = self.cfg.train.micro_batch_size, torch.zeros((), device=self.device)
             for i in range(self.cfg.train.eval_iters):
-                rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
-                total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss
+                total += self.model(*self._inputs(self.valid_data.rows(i * mbs, mbs))).lm_loss
             return total.item() / self.cfg.train.eval_iters
         finally:
             self.model.train()
@@ -381,8 +384,7 @@ class Trainer:
         assert self.pipeline is not None and self.topology is not None
         mbs, iters, dp = self.cfg.train.micro_batch_size, self.cfg.train.eval_iters, self.topology.dp
         mine = range(self.topology.dp_rank, -(-iters // dp) * dp, dp)
-        batches = [(rows[:, :-1], rows[:, 1:]) for rows in
-                   (self.valid_data.rows((i if i < iters else 0) * mbs, mbs).to(self.device) for i in mine)]
+        batches = [self._inputs(self.valid_data.rows((i if i < iters else 0) * mbs, mbs)) for i in mine]
         total = self.pipeline.evaluate(batches, counted=sum(i < iters for i in mine))
         dist.all_reduce(total)
         return total.item() / iters
