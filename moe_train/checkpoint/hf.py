@@ -1,11 +1,12 @@
 """Hugging Face DeepSeek-V3 interop on the command line, and for a model in memory.
 
-`python -m moe_train.checkpoint.hf import HF_DIR OUT_DIR`: an HF folder (config.json + safetensors, FP8 block-scaled
-weights dequantized) -> a native weight folder (`model.weights`). `python -m moe_train.checkpoint.hf export SRC HF_DIR`:
-a training checkpoint (root or `iter_*` folder) or a native weight folder -> a complete HF folder
-(`moe_train.checkpoint.hf_export`; `--ema`: the checkpoint's EMA of the parameters); under torchrun every rank reads
-and writes its share. The layout is in
-`model.hf_layout`; reading and writing go through torch.distributed.checkpoint (`moe_train.checkpoint.hf_checkpoint`).
+`python -m moe_train.checkpoint.hf import HF_DIR OUT_DIR`: an HF folder (config.json + safetensors,
+FP8 block-scaled weights dequantized) -> a native weight folder (`model.weights`).
+`python -m moe_train.checkpoint.hf export SRC HF_DIR`: a training checkpoint (root or `iter_*`
+folder) or a native weight folder -> a complete HF folder (`moe_train.checkpoint.hf_export`;
+`--ema`: the checkpoint's EMA of the parameters); under torchrun every rank reads and writes its
+share. The layout is in `model.hf_layout`; reading and writing go through
+torch.distributed.checkpoint (`moe_train.checkpoint.hf_checkpoint`).
 """
 from __future__ import annotations
 
