@@ -69,7 +69,8 @@ def start_distributed(config: Config) -> Topology | None:
 
 
 def start_expert_parallel(config: Config) -> Topology | None:
-    """Generation's layout: the EP group spanning every process when launched with several (torchrun or srun), else None."""
+    """Generation's layout: the EP group spanning every process when launched with several (torchrun
+    or srun), else None."""
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     p = config.parallel
     if p.pp != 1:
