@@ -4,7 +4,7 @@ comparisons are measured in the same run, so the ratios are what to read (CPU ti
 about GPUs).
 
 1. Greedy decode of `--new-tokens` after a `--prompt-tokens` prompt with the demo model (random
-   weights, one process): `moe_train.decoding.generate_ids` (cache, absorbed MLA, low-latency MoE
+   weights, one process): `moe_train.generate.decoding.generate_ids` (cache, absorbed MLA, low-latency MoE
    exchange over a 1-rank group) vs a loop that runs the full forward over the prefix for every
    token (both pick the same tokens; checked).
 2. One decode step's MoE exchange on `--ranks` EP ranks, `--batch` tokens per rank, DeepSeek-V3's
@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from model.router import select_experts
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
-from moe_train.decoding import generate_ids
+from moe_train.generate.decoding import generate_ids
 from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.comm import Comm, ProcessGroupComm
 from parallel.dispatch.low_latency import LowLatencyExchange

@@ -2,7 +2,7 @@
 
 Writes the HF folder of a model of about 0.9 GB (fp32; default shape below) once, then starts one
 fresh process per case. Each builds its part (the model, or the DeepSeekV3 parts of stage s of 2) and
-loads it through `moe_train.hf_checkpoint.load_hf_weights`; it reports its peak resident memory
+loads it through `moe_train.checkpoint.hf_checkpoint.load_hf_weights`; it reports its peak resident memory
 (VmHWM) above what it held after its imports, and the bytes of the tensors it owns. With
 per-rank reading that peak follows the shard, not the model.
 
@@ -39,7 +39,7 @@ def peak_rss_bytes() -> int:
 def load_case(folder: str, args_json: str, stage: int | None) -> None:
     """One measurement (in its own process): print {"peak": bytes above the post-import peak, "owned": bytes}."""
     from model.transformer import DeepSeekV3
-    from moe_train.hf_checkpoint import load_hf_weights
+    from moe_train.checkpoint.hf_checkpoint import load_hf_weights
     from parallel.pipeline.stage import build_stages, stage_specs
 
     args = ModelArgs(**json.loads(args_json))
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     opts = parser.parse_args()
     args = shape(opts.layers, opts.hidden, opts.experts)
-    from model.hf import save_hf_checkpoint
+    from moe_train.checkpoint.hf import save_hf_checkpoint
     from model.transformer import DeepSeekV3
 
     torch.manual_seed(0)  # the weights' values do not matter here

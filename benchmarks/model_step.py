@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from model.hf import load_hf_checkpoint, save_hf_checkpoint
+from moe_train.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 from moe_train.runtime import compile_model

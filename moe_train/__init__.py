@@ -1,1 +1,4 @@
-"""The training application: config, data, optimizer and schedules, loop, checkpoints, logs, CLI."""
+"""The training application. The loop is at the top (`train`, `runtime`, `optim`, `ema`, `metrics`,
+`schedules`, `zb_measure`, `atomic`); each other concern has one room: `config`, `data`,
+`preflight` (can this run start), `launch`, `checkpoint`, `generate`.
+"""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
-from moe_train.data.atomic import temp_path_for
+from moe_train.atomic import publish_bytes
 from moe_train.data.errors import DataError
 
 METRICS_FILE = "metrics.jsonl"
@@ -81,12 +80,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = "".join(line + "\n" for line, record in read_records(path) if record["step"] <= step)
-    tmp = Path(temp_path_for(str(path)))
-    try:
-        tmp.write_text(kept)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    publish_bytes(path, kept.encode())
 
 
 TENSORBOARD_MISSING = ("note: tensorboard is not installed, so no TensorBoard scalars are written "
@@ -113,9 +107,7 @@ def wandb_run_id(run_dir: Path) -> str:
         return path.read_text().strip()
     run_id = uuid.uuid4().hex[:12]
     path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(".tmp")
-    staged.write_text(run_id + "\n")
-    staged.replace(path)
+    publish_bytes(path, (run_id + "\n").encode())
     return run_id
 
 

@@ -21,39 +21,35 @@ from model.flops import training_flops_per_token
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
-                                  load_checkpoint, read_metadata, resolve_resume, save_checkpoint,
-                                  saved_moment_dtypes)
-from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError, load_config, to_dict, to_yaml, zb_search
-from moe_train.config_help import config_keys_help
+from moe_train.checkpoint.dcp import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
+                                      load_checkpoint, read_metadata, resolve_resume, save_checkpoint,
+                                      saved_moment_dtypes)
+from moe_train.config import Config, ConfigError, load_config, to_dict, to_yaml
+from moe_train.config.help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
                             describe_draws, load_tokenizer)
-from moe_train.data.blend import parse_blend
-from moe_train.data.indexed_dataset import bin_path, idx_path
-from moe_train.hf_checkpoint import check_model_section, load_hf_weights
-from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, wandb_module
+from moe_train.checkpoint.hf_checkpoint import check_model_section, load_hf_weights
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.ema import ParameterEMA
 from moe_train.optim import build_optimizer, set_learning_rate
-from moe_train.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
-from moe_train.memory_limits import available_memory
-from moe_train.plan import start_up_memory_problems
-from moe_train.run_dir import RunDirError, RunLock, claim_run_dir
+from moe_train.launch.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
+from moe_train.preflight.pipeline import plan_pipeline
+from moe_train.preflight.start_up import choose_dispatcher, refuse_at_start_up, start_distributed
+from moe_train.launch.run_dir import RunDirError, RunLock, claim_run_dir
 from moe_train.zb_measure import WARMUP_SCHEDULE, ZbCostMeter, measures_zb_costs
-from moe_train.runtime import compile_model, configure_threads, device_type, seed_everything, select_device
+from moe_train.runtime import compile_model, configure_threads, seed_everything, select_device
 from moe_train.schedules import bias_update_rate, learning_rate, mtp_loss_scale
-from moe_train.stop import StopRequest
-from moe_train.stop_signals import ignore_stop_signals
+from moe_train.launch.stop import StopRequest
+from moe_train.launch.stop_signals import ignore_stop_signals
 from parallel.adamw import MOMENT_DTYPES
 from parallel.data_parallel import GradientSync, build_buffers
-from parallel.dispatch import DispatcherUnavailable, deepep_unavailable, make_dispatcher, native_unavailable
+from parallel.dispatch import DispatcherUnavailable, make_dispatcher
 from parallel.failures import collective_failure
 from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad, release_grads
-from parallel.pipeline.ir import LoweredSchedule
-from parallel.pipeline.timeline import Costs, simulate
-from parallel.pipeline.model_pipeline import ModelPipeline, pipeline_plan
-from parallel.pipeline.stage import StageSpec
+from parallel.pipeline.timeline import simulate
+from parallel.pipeline.model_pipeline import ModelPipeline
 from parallel.sharded_state import piece_state
-from parallel.topology import Topology, TopologyError, init_distributed, routing_statement
+from parallel.topology import Topology, routing_statement
 
 LOSS_PARTS = ("lm_loss", "mtp_loss", "aux_loss")
 
@@ -64,69 +60,6 @@ class TrainingDiverged(RuntimeError):
 
 def default_cache_dir() -> str:
     return os.environ.get("MOE_TRAIN_CACHE", str(Path.home() / ".cache" / "moe_train"))
-
-
-def choose_dispatcher(config: Config, topology: Topology | None) -> str:
-    """`parallel.dispatcher` with `auto` resolved (never to `native`); a ConfigError where `native` cannot run
-    in this process (the config alone cannot tell: the same file serves login nodes and GPU nodes)."""
-    name = config.parallel.dispatcher
-    if name == "native":
-        problem = native_unavailable(across_nodes=topology is not None and topology.ep_nodes > 1,
-                                     device=device_type(config.train))
-        if problem is not None:
-            raise ConfigError([("parallel.dispatcher", f"'native' cannot run here: {problem}; {NATIVE_ALTERNATIVES}")])
-    if name == "deepep":
-        ep, per_node = (1, 1) if topology is None else (topology.ep, topology.ep_ranks_per_node)
-        problem = deepep_unavailable(device_type(config.train), ep, per_node)
-        if problem is not None:
-            raise ConfigError([("parallel.dispatcher", f"'deepep' cannot run here: {problem}; or use 'native', "
-                                                       f"{NATIVE_ALTERNATIVES}")])
-    if name != "auto":
-        return name
-    if topology is None or topology.ep == 1:
-        return "local"
-    return "hierarchical" if topology.ep_nodes > 1 else "alltoall"
-
-
-def start_distributed(config: Config) -> Topology | None:
-    """The process layout when launched with several processes (torchrun or srun), else None."""
-    if int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) <= 1:
-        if config.parallel.ep > 1 or config.parallel.pp > 1:
-            raise ConfigError([("parallel", f"ep={config.parallel.ep} x pp={config.parallel.pp} needs several "
-                                            "processes; launch with NPROC_PER_NODE or under Slurm")])
-        return None
-    p, t = config.parallel, config.train
-    try:
-        topology = init_distributed(p.pp, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
-                                    num_experts=config.model.num_moe_experts)
-    except TopologyError as err:
-        raise ConfigError(err.problems) from None
-    if t.global_batch_size % (t.micro_batch_size * topology.dp):
-        raise ConfigError([("train.global_batch_size",
-                            f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size} "
-                            f"x dp={topology.dp} ({topology.world_size} processes / pp {p.pp})")])
-    if p.pp > 1:
-        plan_pipeline(config, topology.dp)
-        if measures_zb_costs(p):  # what the warm-up switches to must fit as well
-            plan_pipeline(config, topology.dp, Costs())
-    return topology
-
-
-def plan_pipeline(config: Config, dp: int, measured: Costs | None = None) -> tuple[LoweredSchedule, list[StageSpec]]:
-    """The schedule for this step's micro-batches (global batch / (micro batch x dp)) and the stage cut.
-    zb-auto without parallel.zb_costs starts as the warm-up schedule until `measured` costs are given."""
-    p, t = config.parallel, config.train
-    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
-    schedule, search = p.schedule, zb_search(p)
-    if measures_zb_costs(p):
-        schedule, search = (WARMUP_SCHEDULE, (None, None)) if measured is None else (p.schedule, (measured, search[1]))
-    try:
-        return pipeline_plan(config.model, p.pp, schedule, microbatches,
-                             p.virtual_stages if p.virtual_stages > 1 else None, p.pipeline_layout,
-                             p.first_stage_layers, p.last_stage_layers, *search)
-    except ValueError as err:
-        raise ConfigError([("parallel", f"schedule {schedule} on pp={p.pp} with {microbatches} micro-batches "
-                                        f"per step: {err}")]) from None
 
 
 def read_metrics(steps: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
@@ -275,7 +208,7 @@ class Trainer:
                   "(optim.moment_dtype)", flush=True)
 
     def _start_from_hf(self, path: Path) -> None:
-        """The weights of a Hugging Face folder, each rank reading only its own (moe_train.hf_checkpoint)."""
+        """The weights of a Hugging Face folder, each rank reading only its own (moe_train.checkpoint.hf_checkpoint)."""
         if not self.cfg.checkpoint.weights_only:
             raise CheckpointError(f"checkpoint.resume: {path} is a Hugging Face folder (weights only); "
                                   "set checkpoint.weights_only=true to start training from it")
@@ -320,6 +253,11 @@ class Trainer:
                                process_group=None if self.topology is None else dist.group.WORLD,
                                ema=self.ema_state())
 
+    def _inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's token rows on the device as (input ids, labels): the ids shifted by one."""
+        rows = rows.to(self.device, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
     def _forward_backward(self, micro_batches: list[torch.Tensor], mtp_scale: float) -> dict[str, torch.Tensor]:
         """Backward of this rank's mean loss; returns the global-batch mean of each loss part (on the device)."""
         if self.pipeline is not None:
@@ -327,9 +265,8 @@ class Trainer:
         parts = ("loss", *LOSS_PARTS)
         sums = torch.zeros(len(parts), dtype=torch.float64, device=self.device)
         scale = 1.0 / len(micro_batches)
-        for rows in micro_batches:
-            rows = rows.to(self.device, non_blocking=True)
-            out = self.model(rows[:, :-1], rows[:, 1:], mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
+        for ids, labels in map(self._inputs, micro_batches):
+            out = self.model(ids, labels, mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
             (out.loss * scale).backward()
             sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
@@ -342,7 +279,7 @@ class Trainer:
         """The same through the pipeline runtime; loss parts come from the stages that compute them."""
         assert self.pipeline is not None and self.topology is not None
         scale = 1.0 / len(micro_batches)
-        batches = [(rows[:, :-1], rows[:, 1:]) for rows in (r.to(self.device, non_blocking=True) for r in micro_batches)]
+        batches = [self._inputs(rows) for rows in micro_batches]
         sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads, mtp_loss_scale=mtp_scale))
         if self.zb_meter is not None:
             self._measure_zb_costs(self.zb_meter)
@@ -435,8 +372,7 @@ class Trainer:
                 return self._pipeline_evaluate()
             mbs, total = self.cfg.train.micro_batch_size, torch.zeros((), device=self.device)
             for i in range(self.cfg.train.eval_iters):
-                rows = self.valid_data.rows(i * mbs, mbs).to(self.device)
-                total += self.model(rows[:, :-1], rows[:, 1:]).lm_loss
+                total += self.model(*self._inputs(self.valid_data.rows(i * mbs, mbs))).lm_loss
             return total.item() / self.cfg.train.eval_iters
         finally:
             self.model.train()
@@ -448,14 +384,13 @@ class Trainer:
         assert self.pipeline is not None and self.topology is not None
         mbs, iters, dp = self.cfg.train.micro_batch_size, self.cfg.train.eval_iters, self.topology.dp
         mine = range(self.topology.dp_rank, -(-iters // dp) * dp, dp)
-        batches = [(rows[:, :-1], rows[:, 1:]) for rows in
-                   (self.valid_data.rows((i if i < iters else 0) * mbs, mbs).to(self.device) for i in mine)]
+        batches = [self._inputs(self.valid_data.rows((i if i < iters else 0) * mbs, mbs)) for i in mine]
         total = self.pipeline.evaluate(batches, counted=sum(i < iters for i in mine))
         dist.all_reduce(total)
         return total.item() / iters
 
     def train(self) -> int:
-        """Train to `train.steps`, or to the step after which the ranks agree to stop (`moe_train.stop`):
+        """Train to `train.steps`, or to the step after which the ranks agree to stop (`moe_train.launch.stop`):
         either way every rank saves the same step. Returns the exit status."""
         cfg = self.cfg
         self.model.train()
@@ -575,7 +510,7 @@ def print_config(args: argparse.Namespace) -> int:
 
 
 def claim_on_rank_0(config: Config, topology: Topology | None) -> RunLock | None:
-    """Rank 0 claims `logging.dir` (see moe_train.run_dir); every rank gets its outcome, so all stop together."""
+    """Rank 0 claims `logging.dir` (see moe_train.launch.run_dir); every rank gets its outcome, so all stop together."""
     lock, error = None, None
     if topology is None or topology.rank == 0:
         try:
@@ -600,53 +535,8 @@ def collective_failure_line(err: RuntimeError, topology: Topology | None, when: 
     return f"error: rank {rank}: a collective failed {when} ({reason}): a peer process died or the network broke"
 
 
-def input_problems(config: Config) -> list[tuple[str, str]]:
-    """The files the run reads that are missing or unusable, checked without reading them: each data
-    prefix's .bin and .idx, a tokenizer.json, and the checkpoint a `checkpoint.resume` path selects."""
-    problems = []
-    d = config.data
-    for key in ("path", "valid_path"):
-        spec = getattr(d, key)
-        for _, prefix in parse_blend(spec) if spec is not None else []:
-            missing = [path for path in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(path)]
-            if missing:
-                problems.append((f"data.{key}", f"dataset file not found: {', '.join(missing)}"))
-    if d.tokenizer != "byte" and not os.path.isfile(d.tokenizer):
-        problems.append(("data.tokenizer", f"{d.tokenizer} is not a file (give 'byte' or a tokenizer.json)"))
-    if config.checkpoint.resume not in ("auto", "none"):  # (auto's latest file is the run directory's: claim_run_dir)
-        try:
-            resolve_resume(config.checkpoint.resume, config.checkpoint_dir)
-        except CheckpointError as err:
-            problems.append(("checkpoint.resume", str(err).removeprefix("checkpoint.resume: ")))
-    return problems
-
-
-def refuse_at_start_up(config: Config, topology: Topology | None, processes_here: int) -> None:
-    """What this machine refuses of `config` before anything is allocated or written, as a ConfigError:
-    a wandb project without the package, more `train.threads` than CPUs (torch crashes on thousands),
-    `train.device=cuda` without CUDA, a dispatcher that cannot run, inputs that are not there (input_problems),
-    and a model or batch that cannot fit the memory one of `processes_here` local processes may use
-    (moe_train.memory_limits). The launcher runs the same checks once, before it starts any process
-    (moe_train.launch_info); a process group is not needed, only the layout."""
-    if config.logging.wandb_project is not None and wandb_module() is None:
-        raise ConfigError([("logging.wandb_project", f"is {config.logging.wandb_project!r}, but the wandb package "
-                                                     "is not installed: pip install wandb, or unset the key")])
-    problems = input_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    cpus = len(os.sched_getaffinity(0))
-    if config.train.threads is not None and config.train.threads > cpus:
-        raise ConfigError([("train.threads", f"{config.train.threads} exceeds the {cpus} CPUs this process may use")])
-    device = select_device(config.train)
-    choose_dispatcher(config, topology)
-    world = topology.world_size if topology is not None else 1
-    problems = start_up_memory_problems(config, world, available_memory(device, processes_here), f"{device.type} memory")
-    if problems:
-        raise ConfigError(problems)
-
-
 def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
-    """Exit status of one training run. Stop signals (`moe_train.stop`) are noted by `stop` when given
+    """Exit status of one training run. Stop signals (`moe_train.launch.stop`) are noted by `stop` when given
     (its handlers installed), else by handlers installed for this call."""
     args = parse_args(argv)
     if args.print_config is not None:

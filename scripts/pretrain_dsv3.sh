@@ -23,8 +23,8 @@
 # Resume: checkpoint.resume defaults to auto, so submitting the same command again continues
 # from the latest checkpoint of the run.
 # Stop: SIGTERM, SIGUSR1 or Ctrl-C, to this launcher or to any one worker, stops every rank after
-# the same step, which they save; then everything exits 0 (torchrun runs as moe_train.torchrun,
-# which passes these signals on to its workers, each running moe_train.worker: the trainer with
+# the same step, which they save; then everything exits 0 (torchrun runs as moe_train.launch.torchrun,
+# which passes these signals on to its workers, each running moe_train.launch.worker: the trainer with
 # these signals noted from its first instant). A second Ctrl-C aborts without a save.
 #SBATCH --job-name=moe-train
 #SBATCH --ntasks-per-node=1
@@ -89,7 +89,7 @@ stopped_before_start() {
 trap 'stopped_before_start SIGTERM 143' TERM
 trap 'stopped_before_start SIGINT 130' INT
 trap 'stopped_before_start SIGUSR1 138' USR1
-INFO=$("$PYTHON" -m moe_train.launch_info --config "$CONFIG" --nodes "$NNODES" --log-dir \
+INFO=$("$PYTHON" -m moe_train.preflight.launch_info --config "$CONFIG" --nodes "$NNODES" --log-dir \
     ${NPROC_PER_NODE:+--nproc-per-node "$NPROC_PER_NODE"} "$@") || exit 2
 trap - TERM INT USR1
 NPROC_PER_NODE=${INFO%%$'\n'*}
@@ -123,9 +123,9 @@ if [ -n "$IN_SLURM" ]; then
     JOB_LOG_DIR=$LOG_ROOT/slurm-$SLURM_JOB_ID
     mkdir -p "$JOB_LOG_DIR"
     COMMAND=(srun --kill-on-bad-exit=1 --nodes "$NNODES" --ntasks-per-node 1
-        "$PYTHON" -m moe_train.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
+        "$PYTHON" -m moe_train.launch.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
         --rdzv-backend c10d --rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"
-        -m moe_train.worker --config "$CONFIG" "$@")
+        -m moe_train.launch.worker --config "$CONFIG" "$@")
     {
         echo "job $SLURM_JOB_ID on $SLURM_JOB_NODELIST ($NNODES node(s) x $NPROC_PER_NODE process(es)), cwd $PWD"
         echo "command: ${COMMAND[*]}"
@@ -137,7 +137,7 @@ if [ -n "$IN_SLURM" ]; then
 fi
 
 if [ "$NPROC_PER_NODE" = 1 ]; then
-    exec "$PYTHON" -m moe_train.worker --config "$CONFIG" "$@"
+    exec "$PYTHON" -m moe_train.launch.worker --config "$CONFIG" "$@"
 fi
-exec "$PYTHON" -m moe_train.torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" \
-    -m moe_train.worker --config "$CONFIG" "$@"
+exec "$PYTHON" -m moe_train.launch.torchrun --standalone --nproc-per-node "$NPROC_PER_NODE" \
+    -m moe_train.launch.worker --config "$CONFIG" "$@"

@@ -5,7 +5,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_train.data.atomic import temp_path_for
+from moe_train.atomic import temp_path_for
 from moe_train.data.errors import DataError
 from moe_train.data.tokenizers import EOD_TEXT
 

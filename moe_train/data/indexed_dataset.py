@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from moe_train.data.atomic import fsync_dir, temp_path_for
+from moe_train.atomic import fsync_dir, temp_path_for
 from moe_train.data.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -20,7 +20,7 @@ from moe_train.data.errors import DataError
 from moe_train.data.indexed_dataset import IndexedDatasetWriter, idx_path, token_dtype
 from moe_train.data.inputs import expand_inputs, iter_documents
 from moe_train.data.progress import Progress
-from moe_train.exit_codes import EXIT_BAD_INPUT
+from moe_train.launch.exit_codes import EXIT_BAD_INPUT
 from moe_train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 
 _BATCH_DOCS = 256

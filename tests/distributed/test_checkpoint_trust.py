@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from moe_train.checkpoint import CheckpointError
+from moe_train.checkpoint.dcp import CheckpointError
 from moe_train.train import Trainer
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture

@@ -14,7 +14,7 @@ import torch
 
 from moe_train.config import load_config
 from moe_train.data.tokenizers import ByteTokenizer
-from moe_train.generate import Options, generate
+from moe_train.generate.cli import Options, generate
 from parallel.topology import build_topology
 from tests.unit._tiny_checkpoint import ROOT, TINY, write_tiny_checkpoint
 
@@ -54,7 +54,7 @@ def native_and_reference_bf16_ids(root: str, ep: int) -> tuple[list[int], list[i
     """This rank's greedy ids decoded by the low-latency kernels (dispatcher native: kernels_cuda.Buffer,
     bfloat16 rows) and by the reference exchange with bfloat16 rows, prefill through the native kernels
     for both."""
-    from moe_train import generate as cli
+    from moe_train.generate import cli
     from parallel.dispatch.comm import ProcessGroupComm
     from parallel.dispatch.low_latency import LowLatencyExchange
     from parallel.dispatch.low_latency_experts import LowLatencyExperts

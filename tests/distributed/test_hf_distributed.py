@@ -5,7 +5,7 @@ checkpoint together and transformers loads it with our logits and greedy output
 (tests/unit/test_hf_training.py's checks)."""
 import pytest
 
-from moe_train.checkpoint import iteration_dir
+from moe_train.checkpoint.dcp import iteration_dir
 from moe_train.train import Trainer, read_metrics
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -22,7 +22,7 @@ ADOPT = ("model.norm_epsilon=1e-05", "model.moe_router_topk_scaling_factor=1.5",
 def train_and_export(cache_dir: str, run_dir: str, hf_dir: str, export_dir) -> dict:
     import torch.distributed as dist
 
-    from moe_train.hf_export import export
+    from moe_train.checkpoint.hf_export import export
 
     topology = build_topology(pp=2, ep=2, gpus_per_node=1, timeout_s=60)
     trainer = None

@@ -1,13 +1,13 @@
 """The host-sync budget of a training step: the tiny config on EP 2 x PP 2 (4 gloo processes).
 
-Each rank counts the syncs of its second step (`moe_train.host_syncs`); the only ones left are the
+Each rank counts the syncs of its second step (`tests.host_syncs`); the only ones left are the
 split sizes of the MoE all-to-alls, one per hop per MoE layer forward: stage 0 holds one MoE
 layer, stage 1 two and the MTP layer, and each runs the dp replica's one micro-batch (global batch
 8 = micro-batch 4 x dp 2). Backward passes reuse the forward's splits.
 """
 import pytest
 
-from moe_train.host_syncs import HostSyncCounter
+from tests.host_syncs import HostSyncCounter
 from moe_train.train import Trainer
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture

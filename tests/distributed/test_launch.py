@@ -1,4 +1,4 @@
-"""Multi-process runs through the launcher's torchrun (moe_train.torchrun): a dp x ep run on simulated
+"""Multi-process runs through the launcher's torchrun (moe_train.launch.torchrun): a dp x ep run on simulated
 nodes, start-up refusals passed on as the workers' exit status, and a rank dying mid-run."""
 import json
 import os
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(run_dir: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "moe_train.torchrun", "--standalone", "--nproc-per-node", "4",
+    args = [sys.executable, "-m", "moe_train.launch.torchrun", "--standalone", "--nproc-per-node", "4",
             "-m", "moe_train.train", "--config", "moe_train/configs/tiny.yaml"]
     for kv in (f"logging.dir={run_dir}", f"data.cache_dir={cache_dir}", "data.demo_max_bytes=300000",
                "logging.tensorboard=false", "parallel.ep=4", "parallel.gpus_per_node=2", "parallel.timeout_s=30",
@@ -76,7 +76,7 @@ def test_a_dead_rank_stops_every_rank_and_is_named(tmp_path):
 
 def test_a_locked_run_dir_stops_every_rank_with_one_line(tmp_path):
     """Rank 0 finds logging.dir held (here by this test process); every rank learns it and exits 2."""
-    from moe_train.run_dir import lock_run_dir
+    from moe_train.launch.run_dir import lock_run_dir
 
     run = tmp_path / "run"
     lock = lock_run_dir(run)
@@ -98,7 +98,7 @@ def test_a_worker_the_system_refuses_to_start_leaves_no_orphan(tmp_path):
     script = """
 import sys
 import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler as handler
-from moe_train import torchrun
+from moe_train.launch import torchrun
 real, started = handler.Popen, []
 def popen(*args, **kwargs):
     if len(started) == 2:

@@ -2,7 +2,7 @@
 the tiny config on EP 2 x PP 2 (4 gloo processes, ZeRO-1 over dp 2), the stage cut the planner
 assumes (layers 0-2 | layer 3, head and MTP). Adam state is its two moments plus a 4-byte step count per
 owned piece of a parameter, which the planner bounds by one per tensor."""
-from moe_train import plan
+from moe_train.preflight import plan
 from moe_train.train import Trainer
 from parallel.data_parallel import is_expert_parameter
 from parallel.mixed_precision import current_grad

@@ -1,4 +1,4 @@
-"""The agreed stop over 4 gloo processes (moe_train.stop, moe_train.torchrun).
+"""The agreed stop over 4 gloo processes (moe_train.launch.stop, moe_train.launch.torchrun).
 
 In process: ranks signalled after different steps all stop after the step that carries the first
 vote, and save it together. Through the launcher (`scripts/pretrain_dsv3.sh`, dp 4 x ep 4 on two
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_train.checkpoint import CheckpointError, iteration_dir, latest_iteration, list_iterations
-from moe_train.torchrun import catches, child_pids
+from moe_train.checkpoint.dcp import CheckpointError, iteration_dir, latest_iteration, list_iterations
+from moe_train.launch.torchrun import catches, child_pids
 from moe_train.train import Trainer
 from parallel.topology import build_topology
 from tests.distributed.test_training import corpus_cache, tiny_config  # noqa: F401 - corpus_cache is a fixture
@@ -208,7 +208,7 @@ def signal_one_run(target: str, seed: int, cache_dir: str, base: Path, reference
 
 
 def wait_for_workers_starting_up(proc: subprocess.Popen, log: Path, deadline: float) -> list[int]:
-    """The workers once all of them note stop signals (moe_train.worker's first act) while none has
+    """The workers once all of them note stop signals (moe_train.launch.worker's first act) while none has
     started training yet (the trainer's imports and set-up: seconds); [] if the moment was missed."""
     while time.monotonic() < deadline and proc.poll() is None:
         workers = child_pids(proc.pid)

@@ -15,7 +15,7 @@ import model.fp8
 from moe_train.config import load_config
 from moe_train.data import build_demo_corpus, load_tokenizer
 from moe_train.optim import set_learning_rate
-from moe_train.plan_traffic import communication_buffer_bytes
+from moe_train.preflight.plan_traffic import communication_buffer_bytes
 from moe_train.schedules import learning_rate
 from moe_train.train import Trainer, read_metrics
 from parallel.data_parallel import is_expert_parameter

@@ -1,6 +1,6 @@
 """One-GPU bf16 training benchmark (the first measurement of tests/gpu/run_gpu_checks.sh): a warm-up
 step and `--steps` timed steps of moe_train/configs/dsv3_proxy_h200.yaml (or `--config`), printing
-tokens/s, MFU, peak GPU memory, the host syncs per step (moe_train/host_syncs.py) and the bf16 share
+tokens/s, MFU, peak GPU memory, the host syncs per step (tests/host_syncs.py) and the bf16 share
 of one forward+backward's GEMM FLOPs (benchmarks/gemm_precision.py; on CUDA the attention kernels
 are not among the recorded ones, so the share is of the weight GEMMs).
 
@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.gemm_precision import census_step
 from moe_train.config import load_config
-from moe_train.host_syncs import HostSyncCounter
+from tests.host_syncs import HostSyncCounter
 from moe_train.train import Trainer, read_metrics
 
 PROXY = Path(__file__).resolve().parents[2] / "moe_train" / "configs" / "dsv3_proxy_h200.yaml"

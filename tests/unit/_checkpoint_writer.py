@@ -12,7 +12,7 @@ import torch
 
 from model.args import ModelArgs
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from moe_train.checkpoint.dcp import load_checkpoint, resolve_resume, save_checkpoint
 
 
 def build(seed: int) -> tuple[DeepSeekV3, torch.optim.AdamW]:

@@ -7,7 +7,7 @@ import torch
 
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import save_checkpoint
+from moe_train.checkpoint.dcp import save_checkpoint
 from moe_train.config import load_config, to_yaml
 
 ROOT = Path(__file__).resolve().parents[2]

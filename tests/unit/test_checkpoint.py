@@ -21,7 +21,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import (
+from moe_train.checkpoint.dcp import (
     LATEST_FILE,
     CheckpointError,
     holds_ema,

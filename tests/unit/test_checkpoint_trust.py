@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from model.hf import main as hf_main
-from moe_train.generate import main as generate_main
+from moe_train.checkpoint.hf import main as hf_main
+from moe_train.generate.cli import main as generate_main
 from moe_train.train import EXIT_BAD_INPUT, main as train_main
 from tests.unit.crafted_checkpoint import plant
 from tests.unit.test_train import TINY, cache_dir, overrides  # noqa: F401 - cache_dir is a fixture

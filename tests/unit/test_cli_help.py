@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_train.config import SECTIONS, Config, load_config
-from moe_train.config_help import key_descriptions
+from moe_train.config.help import key_descriptions
 from moe_train.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

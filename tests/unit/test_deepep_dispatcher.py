@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from moe_train.config import ConfigError, load_config
-from moe_train.train import choose_dispatcher
+from moe_train.preflight.start_up import choose_dispatcher
 from parallel.dispatch import deepep as deepep_module
 from parallel.dispatch.deepep import deepep_unavailable
 from tests.unit.test_native_internode_dispatch import start_up_error

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from model.hf import load_hf_checkpoint, main as hf_cli
-from moe_train.checkpoint import iteration_dir, quiet_dcp
+from moe_train.checkpoint.hf import load_hf_checkpoint, main as hf_cli
+from moe_train.checkpoint.dcp import iteration_dir, quiet_dcp
 from moe_train.config import load_config
 from moe_train.ema import EMAError
 from moe_train.train import Trainer, read_metrics

@@ -1,12 +1,12 @@
 """A failed collective is told from other errors (parallel.failures), and the launcher's torchrun
-passes the workers' own exit status on (moe_train.torchrun). No random inputs are drawn."""
+passes the workers' own exit status on (moe_train.launch.torchrun). No random inputs are drawn."""
 import signal
 
 import pytest
 import torch.distributed as dist
 
-from moe_train.exit_codes import EXIT_BAD_INPUT, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
-from moe_train.torchrun import describe_failure, failure_status
+from moe_train.launch.exit_codes import EXIT_BAD_INPUT, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
+from moe_train.launch.torchrun import describe_failure, failure_status
 from parallel.failures import collective_failure
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

@@ -11,7 +11,7 @@ import random
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moe_train.checkpoint import quiet_dcp
+from moe_train.checkpoint.dcp import quiet_dcp
 from parallel.flat_range import FlatRange, boxes
 
 

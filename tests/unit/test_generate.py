@@ -15,8 +15,8 @@ from model.moe import RoutedExperts
 from model.transformer import DeepSeekV3
 from model.weights import save_weights
 from moe_train.data.tokenizers import ByteTokenizer
-from moe_train.generate import TextStream, main as generate_main
-from moe_train.sampling import next_token
+from moe_train.generate.cli import TextStream, main as generate_main
+from moe_train.generate.sampling import next_token
 from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.low_latency import LowLatencyExchange
 from parallel.dispatch.low_latency_experts import LowLatencyExperts
@@ -150,7 +150,7 @@ def run_cli(capsys, root, *extra: str) -> tuple[int, str, str]:
 
 def test_greedy_output_equals_transformers_generate_on_the_export(tmp_path, capsys, tiny_checkpoint):
     transformers = pytest.importorskip("transformers")
-    from model.hf import main as hf_cli
+    from moe_train.checkpoint.hf import main as hf_cli
 
     root, model = tiny_checkpoint
     status, out, err = run_cli(capsys, root / "iter_0000003", "--prompt", "The expert router", "--max-new-tokens",

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.hf import load_hf_checkpoint, main as hf_cli, save_hf_checkpoint
+from moe_train.checkpoint.hf import load_hf_checkpoint, main as hf_cli, save_hf_checkpoint
 from model.transformer import DeepSeekV3
 from model.weights import load_weights
-from moe_train.checkpoint import CheckpointError
+from moe_train.checkpoint.dcp import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.hf import main as hf_cli
+from moe_train.checkpoint.hf import main as hf_cli
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import iteration_dir, load_checkpoint, save_checkpoint
+from moe_train.checkpoint.dcp import iteration_dir, load_checkpoint, save_checkpoint
 from moe_train.config import load_config
 from moe_train.data.tokenizers import ByteTokenizer, load_tokenizer
-from moe_train.hf_tokenizer import tokenizer_files
+from moe_train.checkpoint.hf_tokenizer import tokenizer_files
 from moe_train.train import Trainer, main as train_main, read_metrics
 
 transformers = pytest.importorskip("transformers")

@@ -2,7 +2,7 @@
 one MoE layer's forward+backward per dispatcher, and a single-process training step.
 
 The EP 2 x PP 2 training step is pinned in tests/distributed/test_host_syncs.py; the training loop's
-one read per step, of the stop vote (moe_train.stop), in tests/unit/test_stop.py.
+one read per step, of the stop vote (moe_train.launch.stop), in tests/unit/test_stop.py.
 """
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from model.dispatcher import LocalDispatcher, count_per_expert
 from model.layers import _grouped_mm_reference, grouped_weight_grad
 from model.moe import MoE
 from moe_train.config import load_config
-from moe_train.host_syncs import HostSyncCounter
+from tests.host_syncs import HostSyncCounter
 from moe_train.train import Trainer, read_metrics
 from parallel.dispatch import make_dispatcher
 from parallel.dispatch.native import NativeDispatcher

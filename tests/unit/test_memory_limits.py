@@ -1,4 +1,4 @@
-"""What one process may allocate (moe_train.memory_limits): cgroup limits of both hierarchies and
+"""What one process may allocate (moe_train.preflight.memory_limits): cgroup limits of both hierarchies and
 the process's own rlimits bound the start-up memory check, not only the machine's free RAM.
 
 The cgroup trees are written by the tests (no cgroup is changed); the rlimit test lowers the
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_train.memory_limits import available_memory, cgroup_headroom_bytes
+from moe_train.preflight.memory_limits import available_memory, cgroup_headroom_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "moe_train/configs/tiny.yaml")

@@ -137,8 +137,8 @@ def test_a_hugging_face_start_fills_the_main_params_and_export_writes_them(tmp_p
     parameters their rounding; a checkpoint exported to HF holds the fp32 main parameters."""
     from safetensors.torch import load_file
 
-    from model.hf import save_hf_checkpoint
-    from moe_train.hf_export import export
+    from moe_train.checkpoint.hf import save_hf_checkpoint
+    from moe_train.checkpoint.hf_export import export
     from moe_train.train import Trainer
 
     source = tiny_model(bf16=False)

@@ -15,7 +15,8 @@ from kernels_cuda import constants
 from kernels_cuda.config import InternodeConfig
 from kernels_cuda.rank_views import rank_views
 from moe_train.config import ConfigError, load_config
-from moe_train.train import EXIT_BAD_INPUT, choose_dispatcher, main
+from moe_train.preflight.start_up import choose_dispatcher
+from moe_train.train import EXIT_BAD_INPUT, main
 from parallel import dispatch as pd
 from parallel.dispatch import DispatcherUnavailable, EPComms, HierarchicalDispatcher, NativeDispatcher, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm

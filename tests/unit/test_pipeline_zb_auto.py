@@ -107,8 +107,8 @@ def test_config_accepts_zb_auto():
 
 
 def test_the_trainer_and_the_planner_build_zb_auto_from_the_config():
-    from moe_train.plan import _schedule
-    from moe_train.train import plan_pipeline
+    from moe_train.preflight.plan import _schedule
+    from moe_train.preflight.pipeline import plan_pipeline
 
     sets = ["parallel.pp=2", "parallel.schedule=zb-auto", "parallel.zb_costs=1,1.5,0.5,0.1",
             "parallel.zb_memory_limit=2.5", "train.global_batch_size=8", "train.micro_batch_size=1"]

@@ -14,13 +14,13 @@ from model.flops import count_parameters
 from model.fp8 import Fp8GemmOps
 from model.rope import RotaryEmbedding
 from model.transformer import DeepSeekV3, ModelPart
-from moe_train import plan
+from moe_train.preflight import plan
 from moe_train.config import load_config
-from moe_train.memory_limits import MemoryLimit
+from moe_train.preflight.memory_limits import MemoryLimit
 from moe_train.optim import build_optimizer
-from moe_train.plan_stages import RankParameters, Stage, build_stages, fp8_weight_copy_bytes, head_memory, \
+from moe_train.preflight.plan_stages import RankParameters, Stage, build_stages, fp8_weight_copy_bytes, head_memory, \
     layer_memory, rank_parameters, stage_activation_bytes
-from moe_train.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
+from moe_train.preflight.plan_traffic import dispatch_record_bytes, expected_routing, payload_bytes
 from parallel.dispatch import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE
 from parallel.data_parallel import build_buffers
 from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad

@@ -8,7 +8,7 @@ the test, so a new README command has to be made to run or be skipped on purpose
 Commands run in a fresh temporary directory that holds the README's placeholder inputs under
 their README names (`my.yaml`, `corpus/`, `more.jsonl`, `path/to/tokenizer.json`); repository
 paths (`scripts/...`, `moe_train/configs/...`) point into this checkout. Training commands get
-`--set train.steps=2`, a fresh `logging.dir` (one run per directory, moe_train/run_dir.py) unless they
+`--set train.steps=2`, a fresh `logging.dir` (one run per directory, moe_train/launch/run_dir.py) unless they
 name their own (a later command of the README reads that run's checkpoints) and a small demo corpus;
 `torchrun` runs as `python -m torch.distributed.run`; generation commands read a tiny random checkpoint
 written at the README's `runs/tiny/checkpoints` (fixed seed). No random seeds are drawn: the inputs are
@@ -84,7 +84,7 @@ def classify(tokens):
         return "data"
     if words[:3] == ["python", "-m", "moe_train.plan"]:
         return "plan"
-    if words[:3] == ["python", "-m", "model.hf"] or (words[0] == "torchrun" and "model.hf" in words):
+    if words[:3] == ["python", "-m", "moe_train.checkpoint.hf"] or (words[0] == "torchrun" and "moe_train.checkpoint.hf" in words):
         return "convert"
     if words[:3] == ["python", "-m", "moe_train.generate"] or (
             words[:3] == ["python", "-m", "torch.distributed.run"] and "moe_train.generate" in words):

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from moe_train.checkpoint import LATEST_FILE, iteration_dir, list_iterations
-from moe_train.run_dir import LOCK_FILE, aside_name, lock_run_dir
+from moe_train.checkpoint.dcp import LATEST_FILE, iteration_dir, list_iterations
+from moe_train.launch.run_dir import LOCK_FILE, aside_name, lock_run_dir
 from moe_train.train import EXIT_BAD_INPUT, main
 from tests.unit.test_train import TINY, cache_dir, overrides, records, run_cli  # noqa: F401 - cache_dir is a fixture
 

@@ -1,4 +1,4 @@
-"""The stop request of one process (moe_train.stop): which signals it notes, Ctrl-C twice, the vote
+"""The stop request of one process (moe_train.launch.stop): which signals it notes, Ctrl-C twice, the vote
 riding along the loss reduction, the host reads of the loop, and SIGINT on the command line.
 
 Several ranks agreeing, and signals through the launcher, are in tests/distributed/test_signal_stop.py.
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from moe_train.config import load_config
-from moe_train.checkpoint import latest_iteration, list_iterations
-from moe_train.host_syncs import HostSyncCounter
-from moe_train.stop import StopRequest
-from moe_train.stop_signals import STOP_SIGNALS
+from moe_train.checkpoint.dcp import latest_iteration, list_iterations
+from tests.host_syncs import HostSyncCounter
+from moe_train.launch.stop import StopRequest
+from moe_train.launch.stop_signals import STOP_SIGNALS
 from moe_train.train import Trainer
 from tests.unit.test_train import ROOT, TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
 
@@ -34,7 +34,7 @@ def test_a_stop_signal_is_noted_and_the_previous_handler_comes_back(signum):
 
 def test_a_second_ctrl_c_ends_the_process_at_once():
     """Two SIGINTs: the first is noted, the second gets the default action (the process ends, no traceback)."""
-    code = ("import os, signal, time; from moe_train.stop import StopRequest; stop = StopRequest().install(); "
+    code = ("import os, signal, time; from moe_train.launch.stop import StopRequest; stop = StopRequest().install(); "
             "os.kill(os.getpid(), signal.SIGINT); assert stop.signum == signal.SIGINT; print('noted', flush=True); "
             "os.kill(os.getpid(), signal.SIGINT); time.sleep(30); print('not reached')")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -91,19 +91,19 @@ def test_the_loop_reads_the_stop_vote_once_per_step_and_stops_after_the_signalle
     signal_after_step(trainer, 3, signal.SIGUSR1)  # noted after step 3's vote: step 4 votes to stop
     with trainer.stop.handling_signals(), HostSyncCounter() as counter:
         assert trainer.train() == 0
-    stop_reads = [s for s in counter.syncs if s.where.startswith("moe_train/stop.py")]
+    stop_reads = [s for s in counter.syncs if s.where.startswith("moe_train/launch/stop.py")]
     assert [s.kind for s in stop_reads] == ["item"] * 4, counter.report()
     assert latest_iteration(run / "checkpoints") == 4 and list_iterations(run / "checkpoints") == [4]
     assert records(run) == []  # stopped before the first log interval
 
 
 def test_the_launcher_holds_a_stop_signal_until_a_starting_worker_notes_it():
-    """moe_train.torchrun's forwarder: a worker that installs its handlers 1 s after it starts (as one
+    """moe_train.launch.torchrun's forwarder: a worker that installs its handlers 1 s after it starts (as one
     importing torch) gets the signal then, once, instead of being ended by it. Run in a fresh process,
     whose only child is that worker (the forwarder signals every child of its process)."""
     script = """
 import signal, subprocess, sys, time
-from moe_train.torchrun import SignalForwarder
+from moe_train.launch.torchrun import SignalForwarder
 worker = subprocess.Popen([sys.executable, "-c",
     "import signal, sys, time\\n"
     "got = []\\n"

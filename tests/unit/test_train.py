@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
 from benchmarks.bf16_moments_curves import moment_curves
-from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
+from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import load_config
 from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
 

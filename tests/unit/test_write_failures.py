@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from moe_train.checkpoint import latest_iteration, list_iterations
+from moe_train.checkpoint.dcp import latest_iteration, list_iterations
 from moe_train.train import EXIT_BAD_INPUT, EXIT_WRITE_FAILED, main
 from tests.unit.test_train import ROOT, TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
 

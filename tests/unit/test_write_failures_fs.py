@@ -5,8 +5,8 @@ be created (no inodes left) and a full disk under a new logging.dir stop the run
 training, with exit 2 and one line naming the folder or file.
 (tests/unit/test_write_failures.py does the same with a file size limit, which needs no mount.)
 As root, permission bits do not stop writes, so EACCES is not made here: a read-only mount is."""
-from moe_train.checkpoint import iteration_dir, latest_iteration, list_iterations
-from moe_train.run_dir import LOCK_FILE
+from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
+from moe_train.launch.run_dir import LOCK_FILE
 from moe_train.train import EXIT_BAD_INPUT, EXIT_WRITE_FAILED, main
 from tests.unit._mounts import make_read_only, tmpfs
 from tests.unit.test_train import TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture

@@ -1,6 +1,6 @@
 """Validate a config for the launcher and print the processes per node to start.
 
-`python -m moe_train.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P] [--log-dir]`
+`python -m moe_train.preflight.launch_info --config FILE [--set k=v ...] [--nodes N] [--nproc-per-node P] [--log-dir]`
 checks the config, the process layout for N nodes x P processes (P defaults to
 parallel.nproc_per_node, else 1), the pipeline schedule and stage cut the trainer would build, and
 what this machine refuses (device, dispatcher, wandb, memory for P processes: the trainer's own
@@ -13,23 +13,12 @@ import argparse
 import sys
 
 from moe_train.config import Config, ConfigError, load_config
-from parallel.topology import layout_problems
-
-
-def layout_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
-    """Problems of running `config` on nodes x nproc processes (gpus_per_node defaults to nproc)."""
-    p, t = config.parallel, config.train
-    world = nodes * nproc
-    problems = layout_problems(world, p.pp, p.ep, p.gpus_per_node or nproc, config.model.num_moe_experts)
-    if not problems and t.global_batch_size % (t.micro_batch_size * (world // p.pp)):
-        problems.append(("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
-                         f"train.micro_batch_size={t.micro_batch_size} x dp={world // p.pp} ({world} processes)"))
-    return problems
+from moe_train.preflight.layout import layout_errors
 
 
 def pipeline_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
     """With pp > 1: the problems of the schedule and stage cut the trainer would build on this layout."""
-    from moe_train.train import plan_pipeline  # (torch and the model: only when there is a pipeline)
+    from moe_train.preflight.pipeline import plan_pipeline  # (torch and the model: only when there is a pipeline)
 
     if config.parallel.pp == 1:
         return []
@@ -43,7 +32,7 @@ def pipeline_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, s
 def machine_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
     """What this machine refuses of `config` run as rank 0 of nodes x nproc processes (the nodes of a
     job are alike): the trainer's start-up refusals, checked with the layout but no process group."""
-    from moe_train.train import refuse_at_start_up
+    from moe_train.preflight.start_up import refuse_at_start_up  # (torch: only when there is a layout to check)
     from parallel.topology import Topology
 
     p = config.parallel
@@ -63,7 +52,7 @@ def positive_count(name: str, text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_train.launch_info", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_train.preflight.launch_info", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--nodes", default="1")

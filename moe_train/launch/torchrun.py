@@ -1,4 +1,4 @@
-"""`python -m moe_train.torchrun ARGS`: torchrun (`torch.distributed.run`, the same arguments) that
+"""`python -m moe_train.launch.torchrun ARGS`: torchrun (`torch.distributed.run`, the same arguments) that
 passes stop signals on to its workers instead of ending them.
 
 torchrun answers SIGTERM and SIGINT by signalling its workers, killing them 30 s later and exiting 1
@@ -14,7 +14,7 @@ SIGTERM or SIGUSR1, or print a KeyboardInterrupt traceback, so the signal waits 
 then stops after its first step, which every rank saves.
 
 When workers fail, torchrun raises `ChildFailedError`, a traceback and a table, and exits 1. Here the
-workers' own status is passed on instead: 2, 3, 4 or 5 (moe_train.exit_codes) when every failed worker
+workers' own status is passed on instead: 2, 3, 4 or 5 (moe_train.launch.exit_codes) when every failed worker
 ended so, having said why in its one line; otherwise 1, with one line per failed worker naming its
 rank, pid and exit code or signal. When the operating system refuses to start a worker (fork fails
 for lack of memory or processes), torchrun raises that OSError and would leave the workers it had
@@ -31,8 +31,8 @@ import threading
 import time
 from types import FrameType
 
-from moe_train.exit_codes import OWN_EXIT_STATUSES
-from moe_train.stop_signals import STOP_SIGNALS, ignore_stop_signals
+from moe_train.launch.exit_codes import OWN_EXIT_STATUSES
+from moe_train.launch.stop_signals import STOP_SIGNALS, ignore_stop_signals
 
 TORCHRUN_HANDLES = "SIGHUP,SIGQUIT"  # torchrun --signals-to-handle: what its own teardown still answers
 

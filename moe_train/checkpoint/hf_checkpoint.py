@@ -28,7 +28,7 @@ from model.args import ModelArgs
 from model.hf_layout import HFCheckpointError, args_from_hf_config, hf_config_from_args, hf_items
 from model.transformer import DeepSeekV3
 from model.weights import publish_dir, shard_tensors, staging_dir
-from moe_train.checkpoint import HF_CONFIG_FILE, CheckpointError, on_all_ranks, quiet_dcp
+from moe_train.checkpoint.dcp import HF_CONFIG_FILE, CheckpointError, on_all_ranks, quiet_dcp
 from parallel.mixed_precision import checkpoint_values, set_parameters
 from parallel.sharded_state import model_state
 

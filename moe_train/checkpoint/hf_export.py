@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from model.args import ModelArgs
 from model.hf_layout import hf_config_from_args, hf_items
 from model.weights import ARGS_FILE, load_weights
-from moe_train.checkpoint import (LATEST_FILE, METADATA_FILE, CheckpointError, NamingReader, holds_ema, on_all_ranks,
-                                  quiet_dcp, read_metadata, resolve_resume)
+from moe_train.checkpoint.dcp import (LATEST_FILE, METADATA_FILE, CheckpointError, NamingReader, holds_ema,
+                                      on_all_ranks, quiet_dcp, read_metadata, resolve_resume)
 from moe_train.config import load_config
-from moe_train.hf_checkpoint import hf_file_layout, write_hf_folder
-from moe_train.hf_tokenizer import tokenizer_files
+from moe_train.checkpoint.hf_checkpoint import hf_file_layout, write_hf_folder
+from moe_train.checkpoint.hf_tokenizer import tokenizer_files
 from parallel.sharded_state import model_state
 
 MAX_SHARD_BYTES = 5 * 2**30

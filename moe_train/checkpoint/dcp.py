@@ -16,7 +16,7 @@ its final name, then replaces the latest file (write, fsync, `os.replace`), and 
 checkpoints older than the newest `keep`. A process killed at any moment therefore leaves the
 latest file pointing to a complete folder; what a killed save left behind ends in `.tmp` and is
 removed by the next save. Loading runs no code from a checkpoint: its pickled files (DCP's metadata,
-extra.pt, the RNG files) are read with allow-lists (moe_train.safe_unpickle), and a file that names
+extra.pt, the RNG files) are read with allow-lists (moe_train.checkpoint.safe_unpickle), and a file that names
 anything else is refused in one line.
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from moe_train.data.atomic import fsync_dir
-from moe_train.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
+from moe_train.atomic import fsync_dir, publish_bytes, write_durable
+from moe_train.checkpoint.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
 from parallel.flat_range import FlatRange
 from parallel.mixed_precision import checkpoint_values, set_parameters
 from parallel.sharded_state import ADAM_STATE, model_state, optimizer_state
@@ -53,7 +53,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 EXTRA_FILE = "extra.pt"
 METADATA_FILE = ".metadata"
 TMP_SUFFIX = ".tmp"
-HF_CONFIG_FILE = "config.json"  # marks a Hugging Face folder (moe_train.hf_checkpoint)
+HF_CONFIG_FILE = "config.json"  # marks a Hugging Face folder (moe_train.checkpoint.hf_checkpoint)
 _ITER_PATTERN = re.compile(r"iter_([0-9]{7,})")
 _EXPERT_KEY = re.compile(r"(.+)\.expert_([0-9]+)")
 _MOMENT_KEY = re.compile(rf"optim\..+\.({'|'.join(ADAM_STATE)})(\.expert_[0-9]+)?")
@@ -79,7 +79,7 @@ def refused_file(file: Path, err: UnsafePickle) -> CheckpointError:
 
 class NamingReader(dcp.FileSystemReader):
     """DCP's reader, one data file at a time, so that a file that cannot be read is named (`corrupt_file`),
-    and reading the metadata through the allow-list of moe_train.safe_unpickle instead of a full unpickler."""
+    and reading the metadata through the allow-list of moe_train.checkpoint.safe_unpickle instead of a full unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         file = Path(self.path) / METADATA_FILE
@@ -125,7 +125,8 @@ def list_iterations(root: str | os.PathLike) -> list[int]:
 
 
 def write_latest(root: str | os.PathLike, step: int) -> None:
-    _write_atomic(Path(root) / LATEST_FILE, f"{step}\n".encode())
+    latest = Path(root) / LATEST_FILE
+    publish_bytes(latest, f"{step}\n".encode(), temp=_tmp_name(latest), durable=True)
 
 
 def latest_iteration(root: str | os.PathLike) -> int | None:
@@ -430,11 +431,11 @@ def _prepare_root(root: Path, tmp: Path) -> None:
 
 def _write_rank_files(tmp: Path, rng: dict[str, Any], extra: dict, text_files: dict[str, str] | None,
                       coordinator: bool) -> None:
-    _write_durable(tmp / f"rng_rank{_global_rank()}.pt", _to_bytes(rng))
+    write_durable(tmp / f"rng_rank{_global_rank()}.pt", _to_bytes(rng))
     if coordinator:
-        _write_durable(tmp / EXTRA_FILE, _to_bytes(extra))
+        write_durable(tmp / EXTRA_FILE, _to_bytes(extra))
         for name, text in (text_files or {}).items():
-            _write_durable(tmp / name, text.encode())
+            write_durable(tmp / name, text.encode())
 
 
 def _publish(root: Path, tmp: Path, final: Path, step: int, keep: int) -> None:
@@ -494,20 +495,6 @@ def _to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = _tmp_name(path)
-    _write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _check_and_read(path: Path, state: dict[str, Any], weights_only: bool, restore_rng: bool,
@@ -579,7 +566,7 @@ def _flat_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
 
 
 def _read_plain(file: Path) -> Any:
-    """A file of ours holding only tensors, numbers, strings and containers (moe_train.safe_unpickle)."""
+    """A file of ours holding only tensors, numbers, strings and containers (moe_train.checkpoint.safe_unpickle)."""
     try:
         return load_plain(file)
     except FileNotFoundError as err:

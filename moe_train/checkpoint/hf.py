@@ -1,11 +1,12 @@
 """Hugging Face DeepSeek-V3 interop on the command line, and for a model in memory.
 
-`python -m model.hf import HF_DIR OUT_DIR`: an HF folder (config.json + safetensors, FP8 block-scaled
-weights dequantized) -> a native weight folder (`model.weights`). `python -m model.hf export SRC HF_DIR`:
-a training checkpoint (root or `iter_*` folder) or a native weight folder -> a complete HF folder
-(`moe_train.hf_export`; `--ema`: the checkpoint's EMA of the parameters); under torchrun every rank reads
-and writes its share. The layout is in
-`model.hf_layout`; reading and writing go through torch.distributed.checkpoint (`moe_train.hf_checkpoint`).
+`python -m moe_train.checkpoint.hf import HF_DIR OUT_DIR`: an HF folder (config.json + safetensors,
+FP8 block-scaled weights dequantized) -> a native weight folder (`model.weights`).
+`python -m moe_train.checkpoint.hf export SRC HF_DIR`: a training checkpoint (root or `iter_*`
+folder) or a native weight folder -> a complete HF folder (`moe_train.checkpoint.hf_export`;
+`--ema`: the checkpoint's EMA of the parameters); under torchrun every rank reads and writes its
+share. The layout is in `model.hf_layout`; reading and writing go through
+torch.distributed.checkpoint (`moe_train.checkpoint.hf_checkpoint`).
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ import torch.distributed as dist
 from model.hf_layout import HFCheckpointError
 from model.transformer import DeepSeekV3
 from model.weights import save_weights
-from moe_train.checkpoint import CheckpointError
+from moe_train.checkpoint.dcp import CheckpointError
 from moe_train.config import ConfigError
 from moe_train.data import DataError
-from moe_train.hf_checkpoint import load_hf_weights, read_hf_args
-from moe_train.hf_export import MAX_SHARD_BYTES, export, meta_copy, write_export
+from moe_train.checkpoint.hf_checkpoint import load_hf_weights, read_hf_args
+from moe_train.checkpoint.hf_export import MAX_SHARD_BYTES, export, meta_copy, write_export
 from parallel.sharded_state import model_state
 
 __all__ = ["HFCheckpointError", "load_hf_checkpoint", "save_hf_checkpoint", "main"]
@@ -45,7 +46,7 @@ def save_hf_checkpoint(model: DeepSeekV3, path: str | Path, dtype: torch.dtype |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model.hf", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_train.checkpoint.hf", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF DeepSeek-V3 folder -> native weight folder")
     imp.add_argument("hf_dir")

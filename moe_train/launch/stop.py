@@ -9,7 +9,7 @@ existing all-reduce and a host read that waits for that all-reduce only, not for
 step queued after it.
 
 A second SIGINT (Ctrl-C twice) ends the process at once, without a save. A signal that came while
-the process started up (moe_train.stop_signals.SignalNotes) is taken over with `note`.
+the process started up (moe_train.launch.stop_signals.SignalNotes) is taken over with `note`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from moe_train.stop_signals import STOP_SIGNALS, SignalNotes
+from moe_train.launch.stop_signals import STOP_SIGNALS, SignalNotes
 
 
 class StopRequest(SignalNotes):

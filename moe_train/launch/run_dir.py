@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from moe_train.checkpoint import LATEST_FILE, iteration_dir, list_iterations
+from moe_train.checkpoint.dcp import LATEST_FILE, iteration_dir, list_iterations
 from moe_train.config import Config
 from moe_train.metrics import METRICS_FILE
 

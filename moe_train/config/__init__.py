@@ -2,6 +2,7 @@
 
 Every problem is reported as a `ConfigError` naming the offending key (with a did-you-mean for
 unknown keys) before any work starts; the CLI turns it into one message per problem and exit 2.
+`moe_train.config.help` lists the keys for `--help`; the YAML files are in `moe_train/configs/`.
 """
 from __future__ import annotations
 
@@ -168,7 +169,7 @@ class OptimConfig:
         mtp_loss_switch_step: step from which mtp_loss_scale_final applies (none: never)
         ema_decay: keep an EMA of the parameters in CPU memory, updated in the background after
             every step as ema = ema_decay * ema + (1 - ema_decay) * param, saved in checkpoints
-            (`python -m model.hf export --ema` writes it); none: no EMA
+            (`python -m moe_train.checkpoint.hf export --ema` writes it); none: no EMA
     """
 
     lr: float = 3e-3

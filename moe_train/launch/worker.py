@@ -1,4 +1,4 @@
-"""`python -m moe_train.worker ARGS`: a training process as the launcher starts it; the trainer
+"""`python -m moe_train.launch.worker ARGS`: a training process as the launcher starts it; the trainer
 (`moe_train.train`, the same arguments) with stop signals noted from the process's first instant.
 
 `python -m moe_train.train` installs its handlers once its imports are done (torch, the model: a few
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import sys
 
-from moe_train.stop_signals import SignalNotes, ignore_stop_signals
+from moe_train.launch.stop_signals import SignalNotes, ignore_stop_signals
 
 
 def main(argv: list[str]) -> int:
     early = SignalNotes().install()
-    from moe_train.stop import StopRequest
+    from moe_train.launch.stop import StopRequest
     from moe_train.train import main as train
 
     stop = StopRequest().install()

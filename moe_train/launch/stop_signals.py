@@ -1,6 +1,6 @@
 """The stop signals and their handling that needs no torch: the launcher's torchrun and the worker
 entry point install handlers before torch is imported (seconds, during which a signal would end
-the process or print a KeyboardInterrupt traceback). The agreed stop itself is moe_train.stop.
+the process or print a KeyboardInterrupt traceback). The agreed stop itself is moe_train.launch.stop.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def ignore_stop_signals() -> None:
 
 class SignalNotes:
     """The first stop signal this process received, noted by its handlers (`install`). A second Ctrl-C
-    aborts at once, even inside a collective. moe_train.stop.StopRequest adds the ranks' agreement;
+    aborts at once, even inside a collective. moe_train.launch.stop.StopRequest adds the ranks' agreement;
     a process starting up uses this alone until torch is imported, then hands the signal over."""
 
     def __init__(self) -> None:

@@ -3,7 +3,7 @@
 
 CKPT is a checkpoint root (its latest iteration) or an `iter_*` folder. The prompt is encoded with
 `data.tokenizer`, prefilled through the configured dispatcher and decoded token by token with the
-KV cache and the low-latency exchange (`moe_train.decoding`); MTP layers are not loaded. Under
+KV cache and the low-latency exchange (`moe_train.generate.decoding`); MTP layers are not loaded. Under
 torchrun with `parallel.ep` = the number of processes, each process holds and loads only its
 experts, every process runs the same prompt, and rank 0's token is broadcast at each step. Output
 (rank 0): the prompt and the continuation as text, streamed as tokens arrive, or with `--json` one
@@ -25,21 +25,21 @@ import torch.distributed as dist
 import yaml
 
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint import CheckpointError, checkpoint_folder, load_checkpoint
+from moe_train.checkpoint.dcp import CheckpointError, checkpoint_folder, load_checkpoint
 from moe_train.config import Config, ConfigError, load_config
 from moe_train.data import DataError, load_tokenizer
 from moe_train.data.tokenizers import Tokenizer
-from moe_train.decoding import generate_ids
+from moe_train.generate.decoding import generate_ids
 from moe_train.runtime import device_type, select_device
-from moe_train.sampling import next_token
-from moe_train.exit_codes import EXIT_BAD_INPUT
-from moe_train.train import choose_dispatcher
+from moe_train.generate.sampling import next_token
+from moe_train.launch.exit_codes import EXIT_BAD_INPUT
+from moe_train.preflight.start_up import choose_dispatcher, start_expert_parallel
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.low_latency import LowLatencyExchange
 from parallel.dispatch.low_latency_experts import LowLatencyExperts
 from parallel.dispatch.simulated import SimulatedEPGroup
-from parallel.topology import Topology, TopologyError, init_distributed
+from parallel.topology import Topology
 
 TRAINING_ONLY_KEYS = ("recompute_modules", "recompute_granularity", "moe_aux_loss_coeff",
                       "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "mtp_num_layers", "init_method_std")
@@ -92,24 +92,6 @@ def prompt_ids(tokenizer: Tokenizer, config: Config, options: Options) -> list[i
         raise BadInput(f"--prompt: token id {max(ids)} is outside model.vocab_size={config.model.vocab_size} "
                        f"(data.tokenizer={config.data.tokenizer})")
     return ids
-
-
-def start_expert_parallel(config: Config) -> Topology | None:
-    """The EP group spanning every process when launched with several (torchrun or srun), else None."""
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    p = config.parallel
-    if p.pp != 1:
-        raise BadInput(f"parallel.pp: generation runs without pipeline stages, got {p.pp}")
-    if p.ep != world:
-        raise BadInput(f"parallel.ep: generation spreads the experts over all {world} process(es): set "
-                       f"parallel.ep={world}, got {p.ep}")
-    if world == 1:
-        return None
-    try:
-        return init_distributed(1, p.ep, gpus_per_node=p.gpus_per_node, timeout_s=p.timeout_s,
-                                num_experts=config.model.num_moe_experts)
-    except TopologyError as err:
-        raise ConfigError(err.problems) from None
 
 
 def load_model(config: Config, folder: Path, topology: Topology | None) -> DeepSeekV3:

@@ -1,0 +1,3 @@
+"""Text generation from a checkpoint: `python -m moe_train.generate` (`cli`), the KV-cache decode
+loop (`decoding`) and token sampling (`sampling`).
+"""
