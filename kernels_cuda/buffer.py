@@ -28,7 +28,7 @@ import torch
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input, scale_words
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
 from kernels_cuda.low_latency import LowLatencyEngine, LowLatencyHandle, check_hook_args, size_hint
 from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
@@ -138,7 +138,8 @@ class IntranodeEngine:
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
                 args.append({
-                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
+                    "x_scales": None if x_scales is None else scale_words(x_scales),
                     "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
                     "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
                     "topk_idx": None if idx is None else idx.contiguous(),
@@ -154,11 +155,12 @@ class IntranodeEngine:
                 "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
 
         results = []
-        for a, out, (num_recv, per_expert), h in zip(args, outputs, received, handles):
+        for a, (_, x_scales), out, (num_recv, per_expert), h in zip(args, payloads, outputs, received, handles):
             handle = Handle(a["rank_prefix_matrix"], a["channel_prefix_matrix"], out["recv_channel_offset"],
                             out["recv_src_idx"], a["is_token_in_rank"], out["send_head"],
                             h.num_recv_tokens if h is not None else num_recv, config)
-            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (out["recv_x"], out["recv_x_scales"])
+            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
+                out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
             results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
         return results
 

@@ -23,7 +23,7 @@ import torch
 from kernels_cuda import constants as C
 from kernels_cuda.config import InternodeConfig, combine_row_shape
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input, scale_words
 from kernels_cuda.streams import ON_CURRENT_STREAM, CurrentStreamOp
 
 
@@ -155,7 +155,8 @@ class InternodeEngine:
                     "send_nvl_head": torch.empty(num_rdma, G, **ints),
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
-                args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
+                             "x_scales": None if x_scales is None else scale_words(x_scales),
                              "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
                              "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
                              "topk_idx": None if idx is None else idx.contiguous(),
@@ -168,13 +169,15 @@ class InternodeEngine:
                 stalled_rank=stalled_rank))
 
         results = []
-        for a, out, (num_recv, num_rdma, per_expert), old in zip(args, outputs, received, handles):
+        for a, (_, x_scales), out, (num_recv, num_rdma, per_expert), old in zip(
+                args, payloads, outputs, received, handles):
             handle = old or InternodeHandle(
                 a["rdma_channel_prefix_matrix"], a["gbl_channel_prefix_matrix"], a["recv_rdma_rank_prefix_sum"],
                 out["recv_rdma_channel_offset"], a["recv_gbl_rank_prefix_sum"], out["recv_gbl_channel_offset"],
                 out["recv_src_idx"], a["is_token_in_rank"], out["send_rdma_head"], out["send_nvl_head"], num_recv,
                 num_rdma, config)
-            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (out["recv_x"], out["recv_x_scales"])
+            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
+                out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
             results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
         return results
 
