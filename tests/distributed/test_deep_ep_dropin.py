@@ -14,35 +14,17 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.kernels.deep_ep_alias import deep_ep_installed
 from tests.kernels.reference import reference_combine, reference_dispatch
 
 TOKENS, HIDDEN, TOPK, EXPERTS_PER_RANK = 24, 256, 3, 2
 TIMEOUT_CYCLES = 60_000_000_000  # 30 s of wall clock: processes time-slice 2 cores
-
-
-@contextmanager
-def deep_ep_installed(nvl_peers: int) -> Iterator[Any]:
-    """`import deep_ep` gives kernels_cuda.deep_ep, with nodes of `nvl_peers` ranks; undone on exit (pool
-    workers run task after task)."""
-    import kernels_cuda.deep_ep as deep_ep
-    from kernels_cuda.deep_ep import config
-
-    saved = config.NUM_MAX_NVL_PEERS, deep_ep.Buffer.num_sms
-    config.NUM_MAX_NVL_PEERS = nvl_peers
-    deep_ep.install()
-    try:
-        yield deep_ep
-    finally:
-        config.NUM_MAX_NVL_PEERS, deep_ep.Buffer.num_sms = saved
-        for name in ("deep_ep", "deep_ep.utils"):
-            sys.modules.pop(name, None)
 
 
 def all_inputs(world: int, seed: int) -> tuple[list, list, list]:
