@@ -13,7 +13,6 @@ the top-k weights, combine's backward a cached dispatch)."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from typing import Any
 
 import pytest

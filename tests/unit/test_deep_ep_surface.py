@@ -14,7 +14,7 @@ import kernels_cuda.deep_ep as deep_ep
 from kernels_cuda import Config as IntranodeConfig
 from kernels_cuda import constants
 from kernels_cuda.buffer import Handle
-from kernels_cuda.deep_ep.buffer import COMBINE_CONFIGS, DISPATCH_CONFIGS, from_tuple, to_tuple
+from kernels_cuda.deep_ep.buffer import DISPATCH_CONFIGS, from_tuple, to_tuple
 from kernels_cuda.deep_ep.config import nodes_of
 from kernels_cuda.internode import InternodeHandle
 
