@@ -42,8 +42,8 @@ def check_dispatch(device: str, x: torch.Tensor, x_scales: torch.Tensor | None, 
         if x_scales.dtype not in (torch.float32, torch.int32):
             raise ValueError(f"{where}: x_scales must be float32 (or int32 packed UE8M0), got {x_scales.dtype}")
         if tuple(x_scales.shape) != want or x.shape[1] % C.FP8_BLOCK_SIZE:
-            raise ValueError(f"{where}: x_scales ({x_scales.dtype}) must be [num_tokens, hidden / {per_scale}] = "
-                             f"{list(want)} for x of shape {list(x.shape)}, got {list(x_scales.shape)}")
+            raise ValueError(f"{where}: x_scales must be [num_tokens, hidden / {per_scale}] = {list(want)} for x of "
+                             f"shape {list(x.shape)} ({x_scales.dtype} scales), got {list(x_scales.shape)}")
     if topk_idx is not None:
         if topk_idx.dtype != torch.int64:
             raise ValueError(f"{where}: topk_idx must be int64, got {topk_idx.dtype}")

@@ -247,8 +247,8 @@ class EmulatedLowLatency:
 
     def _low_latency_engine(self) -> LowLatencyEngine:
         if self.low_latency is None:
-            raise RuntimeError(f"{type(self).__name__}: low-latency ops need the low-latency region (see its "
-                               "constructor: num_rdma_bytes / low_latency_mode)")
+            raise RuntimeError(f"{type(self).__name__}: low-latency ops need num_rdma_bytes > 0 (the low-latency "
+                               "region; EmulatedInternodeGroup also low_latency_mode=True)")
         return self.low_latency
 
     def low_latency_dispatch(self, xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
