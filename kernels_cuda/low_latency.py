@@ -235,6 +235,7 @@ class EmulatedLowLatency:
     one launch for all ranks, over a region of `num_bytes` per rank (Buffer.get_low_latency_rdma_size_hint)."""
 
     num_ranks: int
+    device: str
     low_latency: LowLatencyEngine | None = None
 
     def _init_low_latency(self, ext: Any, num_bytes: int, timeout_cycles: int, sms: int, schedule: Any,

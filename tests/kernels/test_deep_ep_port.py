@@ -310,12 +310,12 @@ def pools():
 @pytest.mark.parametrize("layout,run", _cpu_cases([(4, 8), (4, 2)], 2, family=41))
 def test_deepep_normal_checks(pools, layout, run: Run):
     world, nvl_peers = layout
-    assert pools.get(world).run(normal_rank, nvl_peers, run.schedule, 81, deadline_s=240)
+    assert len(pools.get(world).run(normal_rank, nvl_peers, run.schedule, 81, deadline_s=240)) == world
 
 
 @pytest.mark.parametrize("world,run", _cpu_cases([4], 2, family=42))
 def test_deepep_low_latency_checks(pools, world, run: Run):
-    assert pools.get(world).run(low_latency_rank, run.schedule, 82, deadline_s=240)
+    assert len(pools.get(world).run(low_latency_rank, run.schedule, 82, deadline_s=240)) == world
 
 
 @pytest.mark.parametrize("layout,run", _cpu_cases([(4, 2)], 1, family=43))
