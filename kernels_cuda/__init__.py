@@ -7,8 +7,9 @@ Two extensions may be built from csrc/: `kernels_cuda._C` (CUDA: `MOE_TRAIN_BUIL
 with the reason. `Buffer` (one rank per process: the intranode kernels on one node, the two-hop
 internode kernels across nodes, as deep_ep.Buffer), `EmulatedGroup` (every rank in this process) and
 `EmulatedInternodeGroup` (nodes x GPUs likewise, two-hop kernels) run on either device, with a
-`Schedule` for the emulation's fiber scheduler. Nothing here needs CUDA to import; loading an
-extension imports torch first (it links against torch's libraries).
+`Schedule` for the emulation's fiber scheduler. `kernels_cuda.deep_ep` is DeepEP's API (`deep_ep.Buffer`,
+`Config`, events, tuple handles) over `Buffer`, for code written against DeepEP. Nothing here needs CUDA
+to import; loading an extension imports torch first (it links against torch's libraries).
 """
 from __future__ import annotations
 

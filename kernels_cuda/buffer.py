@@ -27,10 +27,12 @@ import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
+from kernels_cuda.emulated_calls import EmulatedCalls
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input, scale_words
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
-from kernels_cuda.low_latency import LowLatencyEngine, LowLatencyHandle, check_hook_args, size_hint
+from kernels_cuda.low_latency import (EmulatedLowLatency, LowLatencyEngine, LowLatencyHandle, check_hook_args,
+                                      size_hint)
 from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
                                   check_stream_args)
 
@@ -138,7 +140,8 @@ class IntranodeEngine:
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
                 args.append({
-                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
+                    "x_scales": None if x_scales is None else scale_words(x_scales),
                     "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
                     "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
                     "topk_idx": None if idx is None else idx.contiguous(),
@@ -154,11 +157,12 @@ class IntranodeEngine:
                 "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
 
         results = []
-        for a, out, (num_recv, per_expert), h in zip(args, outputs, received, handles):
+        for a, (_, x_scales), out, (num_recv, per_expert), h in zip(args, payloads, outputs, received, handles):
             handle = Handle(a["rank_prefix_matrix"], a["channel_prefix_matrix"], out["recv_channel_offset"],
                             out["recv_src_idx"], a["is_token_in_rank"], out["send_head"],
                             h.num_recv_tokens if h is not None else num_recv, config)
-            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (out["recv_x"], out["recv_x_scales"])
+            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
+                out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
             results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
         return results
 
@@ -477,7 +481,7 @@ def ranks_on_this_machine(group: Any) -> int:
     return per_host
 
 
-class EmulatedGroup:
+class EmulatedGroup(EmulatedCalls, EmulatedLowLatency):
     """All `num_ranks` ranks in this process, on the current GPU or on the CPU emulation (`device`,
     default kernels_cuda.default_device(); `schedule` for the emulation); calls take and return
     per-rank lists of tensors on that device."""
@@ -494,73 +498,11 @@ class EmulatedGroup:
         apply_schedule(self.runtime, self.device, schedule)
         self.engine = IntranodeEngine(self.runtime, num_ranks, config or Config(), timeout_cycles, timeout_s,
                                       self.device, device_sms(self.device, schedule))
-        self.low_latency: LowLatencyEngine | None = None
         if num_rdma_bytes > 0:  # the low-latency region (Buffer.get_low_latency_rdma_size_hint)
-            runtime = ext.LowLatencyRuntime(0, num_ranks, int(num_rdma_bytes), True)
-            apply_schedule(runtime, self.device, schedule)
-            self.low_latency = LowLatencyEngine(runtime, num_ranks, timeout_cycles, device_sms(self.device, schedule),
-                                                low_latency_blocks)
+            self._init_low_latency(ext, num_rdma_bytes, timeout_cycles, device_sms(self.device, schedule), schedule,
+                                   low_latency_blocks)
 
-    def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
-        """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
-        return [(per_rank, per_expert, in_rank) for per_rank, _, per_expert, in_rank in
-                (self.engine.layout(idx, num_experts) for idx in topk_idx)]
-
-    def dispatch(self, xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor] | None = None,
-                 topk_weights: Sequence[torch.Tensor] | None = None, num_experts: int | None = None,
-                 handles: Sequence[Handle] | None = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 config: Config | None = None, stalled_rank: int = -1) -> list[tuple]:
-        """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)."""
-        R = self.num_ranks
-        if handles is None:
-            if topk_idx is None or num_experts is None:
-                raise ValueError("dispatch without handles needs topk_idx and num_experts")
-            layouts = [self.engine.layout(idx, num_experts) for idx in topk_idx]
-        else:
-            layouts = [None] * R
-            num_experts = num_experts or R
-        return self.engine.dispatch(range(R), xs, topk_idx or [None] * R, topk_weights or [None] * R, layouts,
-                                    handles or [None] * R, num_experts, expert_alignment, num_worst_tokens, config,
-                                    stalled_rank)
-
-    def combine(self, ys: Sequence[torch.Tensor], handles: Sequence[Handle],
-                topk_weights: Sequence[torch.Tensor] | None = None, config: Config | None = None,
-                stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        return self.engine.combine(range(self.num_ranks), ys, handles, topk_weights or [None] * self.num_ranks,
-                                   config, stalled_rank)
-
-    def _low_latency_engine(self) -> LowLatencyEngine:
-        if self.low_latency is None:
-            raise RuntimeError("EmulatedGroup: low-latency ops need num_rdma_bytes > 0 (the low-latency region)")
-        return self.low_latency
-
-    def low_latency_dispatch(self, xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
-                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                             cumulative_local_expert_recv_stats: Sequence[torch.Tensor | None] | None = None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             return_recv_hook: bool = False) -> list[tuple]:
-        """Per rank: (recv_x, packed_recv_count, handle, event, hook); one hook completes every rank."""
-        R = self.num_ranks
-        return self._low_latency_engine().dispatch(
-            range(R), xs, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats or [None] * R, use_fp8, round_scale, use_ue8m0, return_recv_hook)
-
-    def low_latency_combine(self, xs: Sequence[torch.Tensor] | None, topk_idx: Sequence[torch.Tensor],
-                            topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle],
-                            zero_copy: bool = False, return_recv_hook: bool = False,
-                            out: Sequence[torch.Tensor | None] | None = None) -> list[tuple]:
-        """Per rank: (combined_x, event, hook); with `zero_copy` (xs None) each rank's input is its
-        get_next_low_latency_combine_buffer."""
-        R = self.num_ranks
-        inputs = [None] * R if zero_copy else xs
-        return self._low_latency_engine().combine(range(R), inputs, topk_idx, topk_weights, handles, False,
-                                                  return_recv_hook, out or [None] * R)
-
-    def get_next_low_latency_combine_buffer(self, handles: Sequence[LowLatencyHandle]) -> list[torch.Tensor]:
-        return [self._low_latency_engine().next_combine_buffer(r, h) for r, h in enumerate(handles)]
-
-    def low_latency_error_record(self) -> dict[str, Any]:
-        return self._low_latency_engine().error_record()
-
-    def error_record(self) -> dict[str, Any]:
-        return self.engine.error_record()
+    def destroy(self) -> None:
+        """Frees every rank's regions now; the group is unusable afterwards."""
+        self.runtime.destroy()
+        self._destroy_low_latency()

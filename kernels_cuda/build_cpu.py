@@ -4,9 +4,12 @@ the CUDA extension, compiled by the host C++ compiler against csrc/emu/ (no CUDA
 Each kernel file (`csrc/kernels/*.cu`) is compiled as C++ with csrc/emu/device.h force-included (as
 nvcc includes cuda_runtime.h) and EP_CPU_EMULATION defined; the host files against torch's headers
 with csrc/emu/ first on the include path (its cuda_runtime.h stands in for CUDA's). Objects are cached
-under `$KERNELS_CUDA_CACHE` (default ~/.cache/kernels_cuda) by a hash of their source, every header and
-the flags, so that changing one kernel recompiles that kernel only. The module is written next to the
-sources with a stamp naming the hash of everything it was built from (`is_current`).
+under `$KERNELS_CUDA_CACHE` (default ~/.cache/kernels_cuda) by a hash of their source, every header, the
+flags and torch's version and C++ ABI, so that changing one kernel recompiles that kernel only. The module
+is written next to the sources with a stamp naming the hash of everything it was built from
+(`is_current`). Absolute paths (this tree's, torch's and Python's include and library directories) are
+left out of every hash, so another checkout or environment with the same sources and torch finds the
+build current.
 
 `--asan` builds the same with AddressSanitizer; load it with the ASan runtime preloaded (README,
 "Kernels on the CPU"). `ensure_built()` picks that variant when the running process has ASan loaded.
@@ -71,8 +74,9 @@ def asan_loaded() -> bool:
         return False
 
 
-def _torch_flags() -> tuple[list[str], list[str]]:
-    """(compile flags, link flags) of a torch extension against the installed torch."""
+def _torch_flags() -> tuple[list[str], list[str], dict[str, str]]:
+    """(compile flags, link flags) of a torch extension against the installed torch, and a name for each
+    absolute path in them (`_portable`)."""
     import torch
     from torch.utils import cpp_extension
 
@@ -83,7 +87,27 @@ def _torch_flags() -> tuple[list[str], list[str]]:
     libs = cpp_extension.library_paths()
     link_flags = [*(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
                   "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
-    return compile_flags, link_flags
+    names = {**{str(p): f"<include{i}>" for i, p in enumerate(includes)},
+             **{str(p): f"<lib{i}>" for i, p in enumerate(libs)}}
+    return compile_flags, link_flags, names
+
+
+def _torch_identity() -> bytes:
+    """What the objects depend on in the installed torch and Python, paths aside: torch's version and C++ ABI
+    and the extension suffix (its headers are those of that version)."""
+    import torch
+
+    return (f"torch {torch.__version__} cxx11_abi {int(torch._C._GLIBCXX_USE_CXX11_ABI)} "
+            f"{sysconfig.get_config_var('EXT_SUFFIX')}").encode()
+
+
+def _portable(flags: list[str], names: dict[str, str]) -> str:
+    """`flags` with each absolute path replaced by its name, longest first (a path may contain another), so
+    that the same sources and the same torch hash alike in any tree and any environment."""
+    text = " ".join(flags)
+    for path in sorted(names, key=len, reverse=True):
+        text = text.replace(path, names[path])
+    return text
 
 
 def _headers(csrc: Path) -> list[Path]:
@@ -112,15 +136,14 @@ def plan(csrc: Path = CSRC, asan: bool = False) -> Plan:
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++)")
-    torch_compile, torch_link = _torch_flags()
+    torch_compile, torch_link, names = _torch_flags()
+    names[str(csrc)] = "<csrc>"
     emu = csrc / "emu"
     common = [f.replace(str(EMU), str(emu)).replace(str(CSRC), str(csrc)) for f in COMMON_FLAGS]
     kernel_flags = [f.replace(str(EMU), str(emu)) for f in KERNEL_FLAGS]
     extra = ASAN_FLAGS if asan else []
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    import torch
-
-    context = [version.encode(), torch.__version__.encode(), *(h.read_bytes() for h in _headers(csrc))]
+    context = [version.encode(), _torch_identity(), *(h.read_bytes() for h in _headers(csrc))]
     objects = []
     kernels = sorted((csrc / "kernels").glob("*.cu"))
     hosts = [csrc / source.relative_to(CSRC) for source in HOST_SOURCES]
@@ -131,12 +154,11 @@ def plan(csrc: Path = CSRC, asan: bool = False) -> Plan:
             flags += kernel_flags
         if source in hosts:
             flags += torch_compile
-        # Paths differ between copies of the tree; the object depends on contents and flags only.
-        portable = [f.replace(str(csrc), "<csrc>") for f in flags]
-        key = _digest([source.read_bytes(), " ".join(portable).encode(), *context])
+        # Paths differ between trees and environments; the object depends on contents and flags only.
+        key = _digest([source.read_bytes(), _portable(flags, names).encode(), *context])
         objects.append((source, flags, cache_dir() / f"{source.name}.{key}.o"))
     link = [*extra, *torch_link]
-    digest = _digest([o.name.encode() for _, _, o in objects] + [" ".join(link).encode()])
+    digest = _digest([o.name.encode() for _, _, o in objects] + [_portable(link, names).encode()])
     return Plan(cxx, asan, objects, link, digest)
 
 

@@ -9,7 +9,9 @@ import torch
 
 from kernels_cuda import constants as C
 
-Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # BF16/FP32 rows, or (FP8 rows, float scales [N, H/128])
+# BF16/FP32 rows, or (FP8 rows, scales): float32 [N, H/128], or int32 [N, H/512] of four packed UE8M0 exponents
+Payload = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+UE8M0_PER_WORD = 4
 # (num_tokens_per_rank, num_tokens_per_rdma_rank (per node; None on one node), num_tokens_per_expert, is_token_in_rank)
 Layout = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
@@ -35,12 +37,13 @@ def check_dispatch(device: str, x: torch.Tensor, x_scales: torch.Tensor | None, 
     if x.is_contiguous() and x.data_ptr() % 16:
         raise ValueError(f"{where}: x is not 16-byte aligned (data pointer {x.data_ptr():#x}); pass x.clone()")
     if x_scales is not None:
-        want = (x.shape[0], x.shape[1] // C.FP8_BLOCK_SIZE)
-        if x_scales.dtype != torch.float32:
-            raise ValueError(f"{where}: x_scales must be float32, got {x_scales.dtype}")
+        per_scale = C.FP8_BLOCK_SIZE * (UE8M0_PER_WORD if x_scales.dtype == torch.int32 else 1)
+        want = (x.shape[0], -(-x.shape[1] // per_scale))
+        if x_scales.dtype not in (torch.float32, torch.int32):
+            raise ValueError(f"{where}: x_scales must be float32 (or int32 packed UE8M0), got {x_scales.dtype}")
         if tuple(x_scales.shape) != want or x.shape[1] % C.FP8_BLOCK_SIZE:
-            raise ValueError(f"{where}: x_scales must be [num_tokens, hidden / {C.FP8_BLOCK_SIZE}] = {list(want)} "
-                             f"for x of shape {list(x.shape)}, got {list(x_scales.shape)}")
+            raise ValueError(f"{where}: x_scales must be [num_tokens, hidden / {per_scale}] = {list(want)} for x of "
+                             f"shape {list(x.shape)} ({x_scales.dtype} scales), got {list(x_scales.shape)}")
     if topk_idx is not None:
         if topk_idx.dtype != torch.int64:
             raise ValueError(f"{where}: topk_idx must be int64, got {topk_idx.dtype}")
@@ -52,6 +55,12 @@ def check_dispatch(device: str, x: torch.Tensor, x_scales: torch.Tensor | None, 
             raise ValueError(f"{where}: topk_weights must have topk_idx's shape {list(topk_idx.shape)}, got {got}")
     if expert_alignment < 1:
         raise ValueError(f"{where}: expert_alignment must be >= 1, got {expert_alignment}")
+
+
+def scale_words(x_scales: torch.Tensor) -> torch.Tensor:
+    """The scales as the kernels move them: 4-byte words, copied bit for bit (packed UE8M0 int32 scales
+    travel viewed as float32 and come back as int32)."""
+    return x_scales.view(torch.float32)
 
 
 def check_combine(device: str, x: torch.Tensor, num_recv_tokens: int, topk_weights: torch.Tensor | None,

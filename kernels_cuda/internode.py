@@ -22,8 +22,10 @@ import torch
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import InternodeConfig, combine_row_shape
+from kernels_cuda.emulated_calls import EmulatedCalls
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input
+from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input, scale_words
+from kernels_cuda.low_latency import EmulatedLowLatency
 from kernels_cuda.streams import ON_CURRENT_STREAM, CurrentStreamOp
 
 
@@ -155,7 +157,8 @@ class InternodeEngine:
                     "send_nvl_head": torch.empty(num_rdma, G, **ints),
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
-                args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "x_scales": x_scales,
+                args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
+                             "x_scales": None if x_scales is None else scale_words(x_scales),
                              "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
                              "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
                              "topk_idx": None if idx is None else idx.contiguous(),
@@ -168,13 +171,15 @@ class InternodeEngine:
                 stalled_rank=stalled_rank))
 
         results = []
-        for a, out, (num_recv, num_rdma, per_expert), old in zip(args, outputs, received, handles):
+        for a, (_, x_scales), out, (num_recv, num_rdma, per_expert), old in zip(
+                args, payloads, outputs, received, handles):
             handle = old or InternodeHandle(
                 a["rdma_channel_prefix_matrix"], a["gbl_channel_prefix_matrix"], a["recv_rdma_rank_prefix_sum"],
                 out["recv_rdma_channel_offset"], a["recv_gbl_rank_prefix_sum"], out["recv_gbl_channel_offset"],
                 out["recv_src_idx"], a["is_token_in_rank"], out["send_rdma_head"], out["send_nvl_head"], num_recv,
                 num_rdma, config)
-            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (out["recv_x"], out["recv_x_scales"])
+            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
+                out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
             results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
         return results
 
@@ -221,13 +226,15 @@ class InternodeEngine:
         return C.error_record(self.runtime.error_record())
 
 
-class EmulatedInternodeGroup:
+class EmulatedInternodeGroup(EmulatedCalls, EmulatedLowLatency):
     """All ranks of `num_nodes` x `gpus_per_node` in this process, on the current GPU or on the CPU
-    emulation (`device` and `schedule` as EmulatedGroup)."""
+    emulation (`device` and `schedule` as EmulatedGroup). `low_latency_mode` adds the low-latency calls
+    over a region of `num_rdma_bytes` per rank of their own, as Buffer does."""
 
     def __init__(self, num_nodes: int, gpus_per_node: int, num_rdma_bytes: int, num_nvl_bytes: int,
                  config: InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
-                 timeout_s: float = 100.0, device: str | None = None, schedule: Schedule | None = None) -> None:
+                 timeout_s: float = 100.0, device: str | None = None, schedule: Schedule | None = None,
+                 low_latency_mode: bool = False, low_latency_blocks: int = 4) -> None:
         import kernels_cuda
 
         self.device = resolve_device(device)
@@ -238,38 +245,15 @@ class EmulatedInternodeGroup:
         self.engine = InternodeEngine(self.runtime, num_nodes, gpus_per_node,
                                        config or InternodeConfig.for_nodes(num_nodes), timeout_cycles, timeout_s,
                                        self.device, device_sms(self.device, schedule))
+        if low_latency_mode:
+            self._init_low_latency(ext, num_rdma_bytes, timeout_cycles, device_sms(self.device, schedule), schedule,
+                                   low_latency_blocks)
 
-    def get_dispatch_layout(self, topk_idx: Sequence[torch.Tensor], num_experts: int) -> list[tuple[torch.Tensor, ...]]:
-        """Per rank: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank), as EmulatedGroup."""
-        layouts = [self.engine.layout(idx, num_experts) for idx in topk_idx]
-        return [(per_rank, per_expert, in_rank) for per_rank, _per_node, per_expert, in_rank in layouts]
-
-    def dispatch(self, xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor] | None = None,
-                 topk_weights: Sequence[torch.Tensor] | None = None, num_experts: int | None = None,
-                 handles: Sequence[InternodeHandle] | None = None, expert_alignment: int = 1,
-                 num_worst_tokens: int = 0, config: InternodeConfig | None = None,
-                 stalled_rank: int = -1) -> list[tuple]:
-        """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)."""
-        R = self.num_ranks
-        if handles is None:
-            if topk_idx is None or num_experts is None:
-                raise ValueError("dispatch without handles needs topk_idx and num_experts")
-            layouts = [self.engine.layout(idx, num_experts) for idx in topk_idx]
-        else:
-            layouts = [None] * R
-        return self.engine.dispatch(range(R), xs, topk_idx or [None] * R, topk_weights or [None] * R, layouts,
-                                    handles or [None] * R, num_experts or R, expert_alignment, num_worst_tokens,
-                                    config, stalled_rank)
-
-    def combine(self, ys: Sequence[torch.Tensor], handles: Sequence[InternodeHandle],
-                topk_weights: Sequence[torch.Tensor] | None = None, config: InternodeConfig | None = None,
-                stalled_rank: int = -1) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Per rank: (combined_x, combined_topk_weights): unweighted sums over the ranks each token went to."""
-        return self.engine.combine(range(self.num_ranks), ys, handles, topk_weights or [None] * self.num_ranks,
-                                   config, stalled_rank)
-
-    def error_record(self) -> dict[str, Any]:
-        return self.engine.error_record()
+    def destroy(self) -> None:
+        """Frees every rank's regions now (the emulated internode regions go with the last reference to
+        them); the group is unusable afterwards."""
+        del self.engine, self.runtime
+        self._destroy_low_latency()
 
 
 RDMA_TRANSPORTS = ("auto", "ipc", "nvshmem")

@@ -230,6 +230,67 @@ class LowLatencyEngine:
         return C.error_record(self.runtime.error_record())
 
 
+class EmulatedLowLatency:
+    """The low-latency calls of an emulated group (`EmulatedGroup`, `EmulatedInternodeGroup`): per-rank lists,
+    one launch for all ranks, over a region of `num_bytes` per rank (Buffer.get_low_latency_rdma_size_hint)."""
+
+    num_ranks: int
+    device: str
+    low_latency: LowLatencyEngine | None = None
+
+    def _init_low_latency(self, ext: Any, num_bytes: int, timeout_cycles: int, sms: int, schedule: Any,
+                          num_blocks: int) -> None:
+        from kernels_cuda.emulation import apply_schedule
+
+        runtime = ext.LowLatencyRuntime(0, self.num_ranks, int(num_bytes), True)
+        apply_schedule(runtime, self.device, schedule)
+        self.low_latency = LowLatencyEngine(runtime, self.num_ranks, timeout_cycles, sms, num_blocks)
+
+    def _low_latency_engine(self) -> LowLatencyEngine:
+        if self.low_latency is None:
+            raise RuntimeError(f"{type(self).__name__}: low-latency ops need num_rdma_bytes > 0 (the low-latency "
+                               "region; EmulatedInternodeGroup also low_latency_mode=True)")
+        return self.low_latency
+
+    def low_latency_dispatch(self, xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Sequence[torch.Tensor | None] | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False) -> list[tuple]:
+        """Per rank: (recv_x, packed_recv_count, handle, event, hook); one hook completes every rank."""
+        R = self.num_ranks
+        return self._low_latency_engine().dispatch(
+            range(R), xs, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats or [None] * R, use_fp8, round_scale, use_ue8m0, return_recv_hook)
+
+    def low_latency_combine(self, xs: Sequence[torch.Tensor] | None, topk_idx: Sequence[torch.Tensor],
+                            topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle],
+                            zero_copy: bool = False, return_recv_hook: bool = False,
+                            out: Sequence[torch.Tensor | None] | None = None) -> list[tuple]:
+        """Per rank: (combined_x, event, hook); with `zero_copy` (xs None) each rank's input is its
+        get_next_low_latency_combine_buffer."""
+        R = self.num_ranks
+        inputs = [None] * R if zero_copy else xs
+        return self._low_latency_engine().combine(range(R), inputs, topk_idx, topk_weights, handles, False,
+                                                  return_recv_hook, out or [None] * R)
+
+    def get_next_low_latency_combine_buffer(self, handles: Sequence[LowLatencyHandle]) -> list[torch.Tensor]:
+        return [self._low_latency_engine().next_combine_buffer(r, h) for r, h in enumerate(handles)]
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
+                                 num_experts: int = 0) -> None:
+        """Zeroes every rank's low-latency region (DeepEP's arguments accepted and unused, as Buffer's)."""
+        self._low_latency_engine().clean()
+
+    def low_latency_error_record(self) -> dict[str, Any]:
+        return self._low_latency_engine().error_record()
+
+    def _destroy_low_latency(self) -> None:
+        if self.low_latency is not None:
+            self.low_latency.runtime.destroy()
+            self.low_latency = None
+
+
 def size_hint(max_tokens: int, hidden: int, num_experts: int) -> int:
     """Bytes of one rank's low-latency region (independent of the number of ranks, as in DeepEP)."""
     import kernels_cuda

@@ -2,7 +2,7 @@
 in shared memory mapped by its peers (handles exchanged over gloo), against the pure-torch reference of
 all ranks; bad input refused before any kernel runs; a rank killed mid-dispatch makes the survivors
 fail by their kernels' timeouts, naming the wait, and leaves no shared memory behind; the `deepep`
-dispatcher's wiring over a DeepEP-shaped buffer (tests/distributed/fake_deep_ep.py); the low-latency
+dispatcher's wiring over kernels_cuda.deep_ep (DeepEP's API over our buffer); the low-latency
 ops of `Buffer(..., low_latency_mode=True)` between processes against the reference over gloo."""
 from __future__ import annotations
 
@@ -121,42 +121,48 @@ def test_a_rank_killed_mid_dispatch_fails_its_peers_by_timeout(kernels_cpu, tmp_
 
 
 def deepep_against_alltoall(seed: int) -> dict:
-    """The `deepep` dispatcher over a DeepEP-shaped buffer (tuple handles, DeepEP's sizing and SM setting)
-    and the `alltoall` backend on the same bfloat16 inputs: outputs, both gradients, traffic."""
+    """The `deepep` dispatcher over kernels_cuda.deep_ep (DeepEP's API: tuple handles, its sizing and SM
+    setting) and the `alltoall` backend on the same bfloat16 inputs: outputs, both gradients, traffic."""
     from parallel.dispatch import AllToAllDispatcher
     from parallel.dispatch.comm import ProcessGroupComm
     from parallel.dispatch.deepep import make_deepep_dispatcher
-    from tests.distributed import fake_deep_ep
+    from tests.kernels.deep_ep_alias import deep_ep_installed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     experts, k = 4 * world, 3
     print(f"rank {rank}: seed {seed}")
-    sys.modules["deep_ep"] = fake_deep_ep
-    try:
-        fake_deep_ep.Buffer.made.clear()
-        deepep = make_deepep_dispatcher(dist.group.WORLD, experts, world, rank, world, False, comm_sms=4)
-        alltoall = AllToAllDispatcher(ProcessGroupComm(dist.group.WORLD), experts, world, False)
-        out = {}
-        for name, d in (("deepep", deepep), ("alltoall", alltoall)):
-            g = torch.Generator().manual_seed(seed * 100 + rank)
-            x = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16().requires_grad_()
-            w = torch.rand(TOKENS, k, generator=g).requires_grad_()
-            idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(TOKENS)])
-            idx[torch.rand(TOKENS, k, generator=g) < 0.2] = -1
-            recv_x, recv_idx, recv_w, counts, handle = d.dispatch(x, idx, w, d.layout(idx, experts))
-            scale = (recv_w * (recv_idx + 2)).sum(1, keepdim=True).to(recv_x.dtype)
-            y = d.combine(recv_x * scale, handle)
-            (y.float() * torch.arange(HIDDEN).float()).sum().backward()
-            out[name] = [recv_x.detach(), recv_idx, recv_w.detach(), counts, y.detach(), x.grad, w.grad,
-                         dict(d.traffic.bytes)]
-        out["made"] = list(fake_deep_ep.Buffer.made)
-        out["num_sms"] = fake_deep_ep.Buffer.num_sms
-        return out
-    finally:
-        del sys.modules["deep_ep"]
+    with deep_ep_installed(8) as deep_ep:
+        made = []
+        init = deep_ep.Buffer.__init__
+
+        def recording_init(buffer, group, num_nvl_bytes=0, num_rdma_bytes=0, *args, **kwargs):
+            made.append((num_nvl_bytes, num_rdma_bytes))
+            init(buffer, group, num_nvl_bytes, num_rdma_bytes, *args, **kwargs)
+
+        deep_ep.Buffer.__init__ = recording_init
+        try:
+            deepep = make_deepep_dispatcher(dist.group.WORLD, experts, world, rank, world, False, comm_sms=4)
+            alltoall = AllToAllDispatcher(ProcessGroupComm(dist.group.WORLD), experts, world, False)
+            out = {}
+            for name, d in (("deepep", deepep), ("alltoall", alltoall)):
+                g = torch.Generator().manual_seed(seed * 100 + rank)
+                x = torch.randn(TOKENS, HIDDEN, generator=g).bfloat16().requires_grad_()
+                w = torch.rand(TOKENS, k, generator=g).requires_grad_()
+                idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(TOKENS)])
+                idx[torch.rand(TOKENS, k, generator=g) < 0.2] = -1
+                recv_x, recv_idx, recv_w, counts, handle = d.dispatch(x, idx, w, d.layout(idx, experts))
+                scale = (recv_w * (recv_idx + 2)).sum(1, keepdim=True).to(recv_x.dtype)
+                y = d.combine(recv_x * scale, handle)
+                (y.float() * torch.arange(HIDDEN).float()).sum().backward()
+                out[name] = [recv_x.detach(), recv_idx, recv_w.detach(), counts, y.detach(), x.grad, w.grad,
+                             dict(d.traffic.bytes)]
+            out["made"], out["num_sms"] = made, deep_ep.Buffer.num_sms
+        finally:
+            deep_ep.Buffer.__init__ = init
+    return out
 
 
-def test_deepep_dispatcher_drives_a_deepep_shaped_buffer(pools, kernels_cpu):
+def test_deepep_dispatcher_drives_kernels_cuda_deep_ep(pools, kernels_cpu):
     results = pools.get(4).run(deepep_against_alltoall, 51, deadline_s=120)
     names = ["recv_x", "recv_idx", "recv_w", "counts", "combined", "x.grad", "w.grad", "traffic"]
     for rank, result in enumerate(results):

@@ -213,3 +213,30 @@ def test_the_cpu_emulation_build_says_why_without_a_compiler(monkeypatch, tmp_pa
     problem = build_cpu.ensure_built(tmp_path)  # a package dir with no sources and no module
     assert problem is not None and "no C++ compiler found" in problem
     assert not build_cpu.is_current(tmp_path, asan=False)
+
+
+def test_the_cpu_build_digest_names_torch_and_the_sources_not_where_they_are(monkeypatch, tmp_path):
+    """The same sources and the same torch in another tree and environment (torch installed elsewhere)
+    hash alike, so `is_current()` holds there; another torch version or ABI, or one changed header, does not."""
+    from torch.utils import cpp_extension
+
+    from kernels_cuda import build_cpu
+
+    if build_cpu.compiler() is None:
+        pytest.skip("no C++ compiler")
+    here = build_cpu.plan()
+    tree = tmp_path / "elsewhere" / "kernels_cuda"
+    shutil.copytree(build_cpu.CSRC, tree / "csrc")
+    includes, libs = cpp_extension.include_paths(), cpp_extension.library_paths()
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: [f"/other/env{p}" for p in includes])
+    monkeypatch.setattr(cpp_extension, "library_paths", lambda *a, **k: [f"/other/env{p}" for p in libs])
+    assert build_cpu.plan(tree / "csrc").digest == here.digest
+    monkeypatch.setattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", not torch._C._GLIBCXX_USE_CXX11_ABI)
+    assert build_cpu.plan(tree / "csrc").digest != here.digest
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert build_cpu.plan(tree / "csrc").digest != here.digest
+    monkeypatch.undo()
+    header = next((tree / "csrc").glob("*.h"))
+    header.write_text(header.read_text() + "\n")
+    assert build_cpu.plan(tree / "csrc").digest != here.digest
