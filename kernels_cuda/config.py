@@ -4,8 +4,9 @@ sizing: a Python mirror of csrc/ep_config.h and csrc/ep_internode.h.
 `validate` and `validate_internode` return None for a safe configuration or the same message as the
 C++ `validate_intranode` / `validate_internode` (tests/unit/test_kernels_build.py compiles
 csrc/host/config_probe.cpp with the host compiler and compares both, sizes included, over grids of
-configurations). The conditions are the protocols' deadlock-freedom conditions; kernels_cuda/
-protocol_model.py and protocol_model_internode.py show them at work (a violating config deadlocks):
+configurations). The conditions are the protocols' deadlock-freedom conditions; the specifications
+tests/kernels/protocol_model.py and protocol_model_internode.py show them at work (a violating
+config deadlocks):
 - a producer waits until a whole chunk fits: 1 <= chunk <= ring capacity; internode, combine splits
   the NVLink ring into one sub-ring per origin node, so nvl_chunk <= nvl_capacity / nodes;
 - intranode, every peer is served by its own group of warps in each role, so the warps divide evenly;

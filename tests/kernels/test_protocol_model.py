@@ -7,7 +7,7 @@ import pytest
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import validate
-from kernels_cuda.protocol_model import (Deadlock, ModelConfig, ProtocolViolation, Ring, build_combine,
+from tests.kernels.protocol_model import (Deadlock, ModelConfig, ProtocolViolation, Ring, build_combine,
                                          build_dispatch, check_combine, check_dispatch, combine_inputs, explore,
                                          random_routing, rewrite_send_head, run_random, simulate, start)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kernels_cuda import constants as C
-from kernels_cuda.protocol_model import (ProtocolViolation, Ring, Role, Run, Wait, channel_range, decode_count,
+from tests.kernels.protocol_model import (ProtocolViolation, Ring, Role, Run, Wait, channel_range, decode_count,
                                          rewrite_send_head, run_random, start)
 
 Routing = Sequence[Sequence[Sequence[int]]]  # routing[src rank][token] = destination ranks

@@ -8,8 +8,8 @@ import pytest
 
 from kernels_cuda import constants as C
 from kernels_cuda.config import InternodeConfig, rdma_ring_is_safe, validate_internode
-from kernels_cuda.protocol_model import Deadlock
-from kernels_cuda.protocol_model_internode import TwoHopConfig, node_limited_routing, simulate
+from tests.kernels.protocol_model import Deadlock
+from tests.kernels.protocol_model_internode import TwoHopConfig, node_limited_routing, simulate
 
 
 def _safe_random_config(rng: random.Random) -> TwoHopConfig:
