@@ -36,7 +36,8 @@ Key = tuple[int, int]  # (stage, microbatch)
 
 
 class Stage(Protocol):
-    """What the runtime needs from a stage: a forward; the loss stage returns a scalar loss."""
+    """What the runtime needs from a stage: a forward; the loss stage returns a scalar loss. Stages keep
+    what they report."""
 
     def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor: ...
 
@@ -47,7 +48,6 @@ class _StepState:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
     live: set[Key] = field(default_factory=set)
     peak: int = 0
 
@@ -110,12 +110,12 @@ class PipelineRuntime:
     def _local(self, stage: int, microbatch: int) -> bool:
         return self.lowered.schedule.rank_of(stage, microbatch) == self.pp_rank
 
-    def step(self, inputs: Sequence[Any], loss_scale: float = 1.0) -> dict[int, torch.Tensor]:
-        """Run the program on micro-batches `inputs`; returns {microbatch: loss} of this rank's
-        loss stage (detached). The loss stage's backward starts from `loss_scale`. Afterwards
-        `peak_live` is the step's most micro-batch activations held at once (F done, W or BW not),
-        `compute_s` the wall time spent in compute actions and `action_s` those times by kind (F, B,
-        W, BW; an FB action, whose halves may interleave, is counted as FB)."""
+    def step(self, inputs: Sequence[Any], loss_scale: float = 1.0) -> None:
+        """Run the program on micro-batches `inputs` (what the stages report, e.g. losses, they keep).
+        The loss stage's backward starts from `loss_scale`. Afterwards `peak_live` is the step's most
+        micro-batch activations held at once (F done, W or BW not), `compute_s` the wall time spent in
+        compute actions and `action_s` those times by kind (F, B, W, BW; an FB action, whose halves
+        may interleave, is counted as FB)."""
         if len(inputs) != self.schedule_microbatches:
             raise ValueError(f"{len(inputs)} micro-batches for a schedule of {self.schedule_microbatches}")
         state = _StepState()
@@ -144,7 +144,6 @@ class PipelineRuntime:
             raise ScheduleError(f"pipeline rank {self.pp_rank}: step ended holding " + "; ".join(problems))
         self.store.assert_empty()
         self.peak_live = state.peak
-        return state.losses
 
     def _compute(self, action: Action, state: _StepState, inputs: Sequence[Any], loss_scale: float) -> None:
         key = (action.stage, action.microbatch)
@@ -167,7 +166,6 @@ class PipelineRuntime:
         state.live.add(key)
         state.peak = max(state.peak, len(state.live))
         if stage == self.num_stages - 1:
-            state.losses[microbatch] = output.detach()
             return
         self._check_activation(key, output)
         if self._local(stage + 1, microbatch):
@@ -180,10 +178,9 @@ class PipelineRuntime:
             raise ScheduleError(f"F{key[0]}.{key[1]}: output {tuple(output.shape)} {output.dtype}, "
                                 f"activations must be {self.shape} {self.dtype}")
 
-    def forward_only(self, inputs: Sequence[Any]) -> dict[int, torch.Tensor]:
+    def forward_only(self, inputs: Sequence[Any]) -> None:
         """Forwards of any number of micro-batches through every stage, nothing kept for a
-        backward (run it under `torch.no_grad()`, e.g. for evaluation); returns {microbatch: loss}
-        of the loss stage where this rank holds it.
+        backward (run it under `torch.no_grad()`, e.g. for evaluation).
 
         No schedule: micro-batch after micro-batch, stage after stage, each stage where direction 0
         places it; an output goes to the next stage's rank by a blocking send. Every rank walks the
@@ -191,7 +188,6 @@ class PipelineRuntime:
         """
         placement, last = self.lowered.schedule.placement, self.num_stages - 1
         mine = [s for s in placement.stages_on(self.pp_rank) if placement.rank_of(s) == self.pp_rank]
-        losses: dict[int, torch.Tensor] = {}
         for microbatch, item in enumerate(inputs):
             x: Optional[torch.Tensor] = None
             for stage in mine:
@@ -200,12 +196,10 @@ class PipelineRuntime:
                     dist.recv(x, self._peer(placement.rank_of(stage - 1)), group=self.group)
                 x = self.stages[stage].forward(microbatch, x, item)
                 if stage == last:
-                    losses[microbatch] = x.detach()
                     continue
                 self._check_activation((stage, microbatch), x)
                 if placement.rank_of(stage + 1) != self.pp_rank:
                     dist.send(x, self._peer(placement.rank_of(stage + 1)), group=self.group)
-        return losses
 
     def _backward_action(self, action: Action, state: _StepState, loss_scale: float) -> None:
         stage, microbatch = key = (action.stage, action.microbatch)
