@@ -135,7 +135,7 @@ class ModelPipeline:
         self._sync = sync
         try:
             zero_grad_buffers(self.model.parameters())
-            runtime.step([MicroBatch(ids, labels, loss_scale, mtp_loss_scale) for ids, labels in batches], loss_scale)
+            runtime.step([MicroBatch(ids, labels, loss_scale, mtp_loss_scale) for ids, labels in batches])
             self.readiness.assert_done()
             if sync is None:
                 self.replicas.reduce_gradients()

@@ -12,8 +12,8 @@ shape exchange.
 Per (stage, micro-batch): F keeps the stage's input and output; a sent output's storage is
 released once its send completed (the autograd graph stays; backward then goes straight to the
 autograd engine, as Megatron and DualPipe do, because the public API would reject the emptied
-output). B/BW run the backward from the received output gradient (the loss stage: from
-`loss_scale`), inside the W store's scope so B queues its weight-gradient work and BW runs it;
+output). B/BW run the backward from the received output gradient (the loss stage: from 1, its loss
+being scaled already), inside the W store's scope so B queues its weight-gradient work and BW runs it;
 the input gradient is sent, or handed to the local previous stage (the bottom of a V). W pops the
 queued work. FB runs its forward half, then its backward half, or, given `fb_overlap`
 (`parallel.pipeline.overlap.FBOverlap`), the two interleaved so each hides the other's
@@ -36,8 +36,8 @@ Key = tuple[int, int]  # (stage, microbatch)
 
 
 class Stage(Protocol):
-    """What the runtime needs from a stage: a forward; the loss stage returns a scalar loss. Stages keep
-    what they report."""
+    """What the runtime needs from a stage: a forward; the loss stage returns the scalar its backward
+    starts from (the loss, times whatever scale the stage applies). Stages keep what they report."""
 
     def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor: ...
 
@@ -110,12 +110,11 @@ class PipelineRuntime:
     def _local(self, stage: int, microbatch: int) -> bool:
         return self.lowered.schedule.rank_of(stage, microbatch) == self.pp_rank
 
-    def step(self, inputs: Sequence[Any], loss_scale: float = 1.0) -> None:
+    def step(self, inputs: Sequence[Any]) -> None:
         """Run the program on micro-batches `inputs` (what the stages report, e.g. losses, they keep).
-        The loss stage's backward starts from `loss_scale`. Afterwards `peak_live` is the step's most
-        micro-batch activations held at once (F done, W or BW not), `compute_s` the wall time spent in
-        compute actions and `action_s` those times by kind (F, B, W, BW; an FB action, whose halves
-        may interleave, is counted as FB)."""
+        Afterwards `peak_live` is the step's most micro-batch activations held at once (F done, W or BW
+        not), `compute_s` the wall time spent in compute actions and `action_s` those times by kind (F,
+        B, W, BW; an FB action, whose halves may interleave, is counted as FB)."""
         if len(inputs) != self.schedule_microbatches:
             raise ValueError(f"{len(inputs)} micro-batches for a schedule of {self.schedule_microbatches}")
         state = _StepState()
@@ -128,11 +127,11 @@ class PipelineRuntime:
             start = time.perf_counter()
             halves = item.halves()
             if len(halves) == 2 and self.fb_overlap is not None:
-                self.fb_overlap(lambda: self._compute(halves[0], state, inputs, loss_scale),
-                                lambda: self._compute(halves[1], state, inputs, loss_scale))
+                self.fb_overlap(lambda: self._compute(halves[0], state, inputs),
+                                lambda: self._compute(halves[1], state, inputs))
             else:
                 for half in halves:
-                    self._compute(half, state, inputs, loss_scale)
+                    self._compute(half, state, inputs)
             spent = time.perf_counter() - start
             self.compute_s += spent
             self.action_s.setdefault(item.kind, []).append(spent)
@@ -145,7 +144,7 @@ class PipelineRuntime:
         self.store.assert_empty()
         self.peak_live = state.peak
 
-    def _compute(self, action: Action, state: _StepState, inputs: Sequence[Any], loss_scale: float) -> None:
+    def _compute(self, action: Action, state: _StepState, inputs: Sequence[Any]) -> None:
         key = (action.stage, action.microbatch)
         if action.kind is ActionKind.F:
             self._forward(key, state, inputs[action.microbatch])
@@ -153,7 +152,7 @@ class PipelineRuntime:
             self.store.run_w(*key)
             state.live.discard(key)
         else:
-            self._backward_action(action, state, loss_scale)
+            self._backward_action(action, state)
 
     def _forward(self, key: Key, state: _StepState, inputs: Any) -> None:
         stage, microbatch = key
@@ -201,11 +200,11 @@ class PipelineRuntime:
                 if placement.rank_of(stage + 1) != self.pp_rank:
                     dist.send(x, self._peer(placement.rank_of(stage + 1)), group=self.group)
 
-    def _backward_action(self, action: Action, state: _StepState, loss_scale: float) -> None:
+    def _backward_action(self, action: Action, state: _StepState) -> None:
         stage, microbatch = key = (action.stage, action.microbatch)
         output = state.outputs.pop(key)
         if stage == self.num_stages - 1:
-            grad = torch.full_like(output, loss_scale)
+            grad = torch.ones_like(output)
         else:
             grad = state.output_grads.pop(key)
         with self.store.scope(stage, microbatch, action.kind):

@@ -71,7 +71,7 @@ def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages,
         for step in range(2):
             batches = micro_batches(args, microbatches, input_seed + step)
             zero_grad_buffers(model.parameters())
-            runtime.step([MicroBatch(ids, labels, scale) for ids, labels in batches], loss_scale=scale)
+            runtime.step([MicroBatch(ids, labels, scale) for ids, labels in batches])
             last = placement.num_stages - 1
             losses = loss_stage_losses(stages[last], args.mtp_loss_scaling_factor) if last in stages else {}
             replicas.reduce_gradients()
