@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.dispatch.comm import ProcessGroupComm
-from parallel.dispatch.handles import CommHandle
+from parallel.dispatch.handles import CommHandle, OverlapSwitch
 from parallel.pipeline.overlap import FBOverlap
 
 ROWS, HIDDEN = 256, 512
@@ -45,8 +45,8 @@ class LatencyHandle:
 class LatencyComm(ProcessGroupComm):
     """The real gloo all-to-all, with `latency_s` injected between launch and completion."""
 
-    def __init__(self, group: dist.ProcessGroup, latency_s: float) -> None:
-        super().__init__(group)
+    def __init__(self, group: dist.ProcessGroup, latency_s: float, switch: OverlapSwitch) -> None:
+        super().__init__(group, switch)
         self.latency_s = latency_s
 
     def all_to_all_async(self, send: torch.Tensor, send_splits: list[int],
@@ -95,12 +95,13 @@ def worker(rank: int, ranks: int, store: str, args: argparse.Namespace, results:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=120))
-    comm = LatencyComm(dist.group.WORLD, args.comm_ms / 1e3)
+    switch = OverlapSwitch()
+    comm = LatencyComm(dist.group.WORLD, args.comm_ms / 1e3, switch)
     rows = []
     for ratio in args.ratios:
         compute = stand_in_compute(args.compute, ratio * args.comm_ms / 1e3)
         forward, backward = chunk(comm, compute, args.layers), chunk(comm, compute, args.layers)
-        hook = FBOverlap()
+        hook = FBOverlap(switch)
         compute_s = min(timed(lambda: [compute() for _ in range(4 * args.layers)]) for _ in range(args.repeats))
         sequential = min(timed(lambda: (forward(), backward())) for _ in range(args.repeats))
         overlapped = min(timed(lambda: hook(forward, backward)) for _ in range(args.repeats))

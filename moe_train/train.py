@@ -43,7 +43,7 @@ from moe_train.launch.stop import StopRequest
 from moe_train.launch.stop_signals import ignore_stop_signals
 from parallel.adamw import MOMENT_DTYPES
 from parallel.data_parallel import GradientSync, build_buffers
-from parallel.dispatch import DispatcherUnavailable, make_dispatcher
+from parallel.dispatch import DispatcherUnavailable, OverlapSwitch, make_dispatcher
 from parallel.failures import collective_failure
 from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad, release_grads
 from parallel.pipeline.timeline import simulate
@@ -90,9 +90,10 @@ class Trainer:
         self.run_dir = Path(config.logging.dir)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.train_data, self.valid_data = self._build_data()
+        switch = OverlapSwitch()  # the overlapped pairs pass the baton where the dispatcher's collectives complete
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      fp8=config.parallel.fp8_dispatch, comm_sms=config.parallel.comm_sms,
-                                     device=self.device.type)
+                                     device=self.device.type, switch=switch)
         self.pipeline: ModelPipeline | None = None
         fp8 = config.train.precision == "fp8"  # FP8 weight GEMMs (model.fp8) over bf16 parameters
         self.zb_meter: ZbCostMeter | None = None
@@ -100,7 +101,7 @@ class Trainer:
             lowered, specs = plan_pipeline(config, topology.dp)
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
                                           config.train.seq_length, dispatcher, config.parallel.timeout_s,
-                                          overlap=config.parallel.overlap, fp8=fp8)
+                                          overlap=switch if config.parallel.overlap else None, fp8=fp8)
             self.model = self.pipeline.model
             if measures_zb_costs(config.parallel):
                 self.zb_meter = ZbCostMeter(config.parallel.zb_measure_steps)

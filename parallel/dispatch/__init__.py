@@ -25,6 +25,7 @@ from parallel.dispatch.alltoall import AllToAllDispatcher
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, ExchangeDispatcher, Traffic
 from parallel.dispatch.comm import Comm, EPComms, ProcessGroupComm
 from parallel.dispatch.deepep import deepep_unavailable, make_deepep_dispatcher
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.dispatch.hierarchical import HierarchicalDispatcher
 from kernels_cuda.config import Config, InternodeConfig
 from parallel.dispatch.native import NativeDispatcher, process_group_buffer_factory
@@ -87,20 +88,22 @@ class _EPGroup(NamedTuple):
     size: int
     rank: int
     per_node: int
+    switch: OverlapSwitch  # what its collectives complete through
 
     @property
     def spans_nodes(self) -> bool:
         return self.per_node != self.size
 
 
-def _ep_group_of(topology_or_comms: Topology | EPComms | None) -> _EPGroup | None:
-    """The EP group on torch.distributed, or None for other communicators (or none)."""
+def _ep_group_of(topology_or_comms: Topology | EPComms | None, switch: OverlapSwitch) -> _EPGroup | None:
+    """The EP group on torch.distributed, or None for other communicators (or none); a topology's
+    completes through `switch`, communicators' through their own."""
     if isinstance(topology_or_comms, Topology):
         t = topology_or_comms
-        return _EPGroup(t.ep_group, t.ep, t.ep_rank, t.ep_ranks_per_node)
+        return _EPGroup(t.ep_group, t.ep, t.ep_rank, t.ep_ranks_per_node, switch)
     if isinstance(topology_or_comms, EPComms) and isinstance(topology_or_comms.ep, ProcessGroupComm):
         comms = topology_or_comms
-        return _EPGroup(comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size)
+        return _EPGroup(comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size, comms.ep.switch)
     return None
 
 
@@ -112,16 +115,16 @@ def _alternatives(ep: _EPGroup | None) -> str:
 
 
 def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool,
-                 comm_sms: int | None, device: str) -> NativeDispatcher:
+                 comm_sms: int | None, device: str, switch: OverlapSwitch) -> NativeDispatcher:
     from kernels_cuda import constants
 
-    ep_group = _ep_group_of(topology_or_comms)
+    ep_group = _ep_group_of(topology_or_comms, switch)
     problem = native_unavailable(across_nodes=ep_group is not None and ep_group.spans_nodes, device=device)
     if problem is not None:
         raise DispatcherUnavailable(f"dispatcher 'native' cannot run here: {problem}; use {_alternatives(ep_group)}")
     if ep_group is None:
         raise ValueError("dispatcher 'native' needs a topology or EP communicators on torch.distributed groups")
-    group, ep, rank, per_node = ep_group
+    group, ep, rank, per_node, switch = ep_group
     num_sms = {} if comm_sms is None else {"num_sms": comm_sms}
     if ep_group.spans_nodes:
         nodes = ep // per_node
@@ -131,18 +134,18 @@ def _make_native(topology_or_comms: Topology | EPComms | None, num_experts: int,
                 f"{constants.MAX_NVL_PEERS} GPUs, not {nodes} x {per_node}; use 'hierarchical'")
         internode = InternodeConfig.for_nodes(nodes, **num_sms)
         factory = process_group_buffer_factory(group, per_node, internode, device)
-        return NativeDispatcher(factory, num_experts, ep, rank, per_node, fp8, internode)
+        return NativeDispatcher(factory, num_experts, ep, rank, per_node, fp8, internode, switch=switch)
     if constants.DISPATCH_WARPS % ep or constants.COMBINE_WARPS % ep:
         raise DispatcherUnavailable(f"dispatcher 'native': the intranode kernels split their warps evenly over the "
                                     f"ranks, which {ep} ranks cannot do; use 'alltoall'")
     config = Config(**num_sms)
     return NativeDispatcher(process_group_buffer_factory(group, per_node, config, device), num_experts, ep, rank,
-                            per_node, fp8, config)
+                            per_node, fp8, config, switch=switch)
 
 
 def _make_deepep(topology_or_comms: Topology | EPComms | None, num_experts: int, fp8: bool, comm_sms: int | None,
-                 device: str) -> NativeDispatcher:
-    ep_group = _ep_group_of(topology_or_comms)
+                 device: str, switch: OverlapSwitch) -> NativeDispatcher:
+    ep_group = _ep_group_of(topology_or_comms, switch)
     problem = deepep_unavailable(device, *((1, 1) if ep_group is None else (ep_group.size, ep_group.per_node)))
     if problem is None and ep_group is None:
         raise ValueError("dispatcher 'deepep' needs a topology or EP communicators on torch.distributed groups")
@@ -150,11 +153,12 @@ def _make_deepep(topology_or_comms: Topology | EPComms | None, num_experts: int,
         raise DispatcherUnavailable(f"dispatcher 'deepep' cannot run here: {problem}; or use 'native' or "
                                     f"{_alternatives(ep_group)}")
     return make_deepep_dispatcher(ep_group.group, num_experts, ep_group.size, ep_group.rank, ep_group.per_node, fp8,
-                                  comm_sms)
+                                  comm_sms, ep_group.switch)
 
 
 def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num_experts: int,
-                    *, fp8: bool = False, comm_sms: int | None = None, device: str = "cuda") -> Dispatcher:
+                    *, fp8: bool = False, comm_sms: int | None = None, device: str = "cuda",
+                    switch: OverlapSwitch | None = None) -> Dispatcher:
     """The backend `name` for this rank's EP group; `fp8` sends the dispatch payload as e4m3.
 
     `comm_sms` is the SM budget of the `native` kernels (2 per channel; default 20, DeepSeek-V3's
@@ -162,14 +166,17 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
     through torch.distributed and ignore both.
 
     `topology_or_comms` is a built `Topology` (its ep, intra-node and rail groups are used) or
-    `EPComms` (e.g. simulated ones); it may be None for `local`.
+    `EPComms` (e.g. simulated ones); it may be None for `local`. The collectives of a backend built on a
+    topology complete through `switch` (the overlapped pairs' `OverlapSwitch`; None: one that only
+    waits); communicators bring their own.
     """
+    switch = switch if switch is not None else OverlapSwitch()
     if name not in BACKENDS:
         raise ValueError(f"unknown dispatcher {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "native":
-        return _make_native(topology_or_comms, num_experts, fp8, comm_sms, device)
+        return _make_native(topology_or_comms, num_experts, fp8, comm_sms, device, switch)
     if name == "deepep":
-        return _make_deepep(topology_or_comms, num_experts, fp8, comm_sms, device)
+        return _make_deepep(topology_or_comms, num_experts, fp8, comm_sms, device, switch)
     if name == "local":
         ep = 1 if topology_or_comms is None else (
             topology_or_comms.ep if isinstance(topology_or_comms, Topology) else topology_or_comms.ep.size)
@@ -180,7 +187,8 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
         return LocalBackend()
     if topology_or_comms is None:
         raise ValueError(f"dispatcher {name!r} needs a topology or EP communicators")
-    comms = EPComms.from_topology(topology_or_comms) if isinstance(topology_or_comms, Topology) else topology_or_comms
+    comms = (EPComms.from_topology(topology_or_comms, switch) if isinstance(topology_or_comms, Topology)
+             else topology_or_comms)
     if name == "alltoall":
         return AllToAllDispatcher(comms.ep, num_experts, comms.intra_node.size, fp8)
     return HierarchicalDispatcher(comms.intra_node, comms.rail, num_experts, fp8)
@@ -189,5 +197,6 @@ def make_dispatcher(name: str, topology_or_comms: Topology | EPComms | None, num
 __all__ = [
     "BACKENDS", "COMBINE", "DISPATCH", "INTER_NODE", "INTRA_NODE", "AllToAllDispatcher", "Comm",
     "DispatcherUnavailable", "EPComms", "ExchangeDispatcher", "HierarchicalDispatcher", "LocalBackend",
-    "NativeDispatcher", "ProcessGroupComm", "Traffic", "deepep_unavailable", "make_dispatcher", "native_unavailable",
+    "NativeDispatcher", "OverlapSwitch", "ProcessGroupComm", "Traffic", "deepep_unavailable", "make_dispatcher",
+    "native_unavailable",
 ]

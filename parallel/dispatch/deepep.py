@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kernels_cuda.config import Config, InternodeConfig
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.dispatch.native import BufferSizes, NativeDispatcher
 
 NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS: GPUs per node
@@ -45,8 +46,9 @@ def deepep_unavailable(device: str, ep: int, ranks_per_node: int) -> str | None:
 
 
 def make_deepep_dispatcher(group: Any, num_experts: int, ep: int, rank: int, ranks_per_node: int, fp8: bool,
-                           comm_sms: int | None) -> NativeDispatcher:
-    """The native dispatcher over `deep_ep.Buffer`s on `group` (check `deepep_unavailable` first)."""
+                           comm_sms: int | None, switch: OverlapSwitch | None = None) -> NativeDispatcher:
+    """The native dispatcher over `deep_ep.Buffer`s on `group`, completing through `switch` (None: one of
+    its own, which only waits; check `deepep_unavailable` first)."""
     deep_ep = importlib.import_module("deep_ep")
     if comm_sms is not None:
         deep_ep.Buffer.set_num_sms(comm_sms)
@@ -63,4 +65,4 @@ def make_deepep_dispatcher(group: Any, num_experts: int, ep: int, rank: int, ran
 
     kind = InternodeConfig.for_nodes(ep // ranks_per_node) if internode else Config()
     return NativeDispatcher(make, num_experts, ep, rank, ranks_per_node, fp8, kind, sizes=sizes,
-                            payload_dtypes=(torch.bfloat16,), name="deepep")
+                            payload_dtypes=(torch.bfloat16,), name="deepep", switch=switch)

@@ -1,10 +1,12 @@
 """Asynchronous collectives and the point where a chunk needs their result.
 
 Every all-to-all of the communicating backends is launched asynchronously and gives a handle;
-`complete(handle)` is where the caller needs the result. Outside an overlapped forward/backward
-pair it simply waits. Inside one (`parallel.pipeline.overlap` installs a switch with
-`switching`), the handle goes to the scheduler, which runs the other chunk's compute while the
-collective is in flight and waits on it before this chunk resumes.
+`OverlapSwitch.complete(handle)` is where the caller needs the result. Outside an overlapped
+forward/backward pair it simply waits. Inside one (`parallel.pipeline.overlap.FBOverlap` installs
+itself with `switching`), the handle goes to the scheduler, which runs the other chunk's compute
+while the collective is in flight and waits on it before this chunk resumes. The switch is an
+object: whoever runs the pairs creates it and gives it to the pair's scheduler and to the
+communicators and dispatchers whose collectives the chunks complete.
 
 On CUDA, collectives launched inside `switching(..., comm_streams=True)` run on a separate
 communication stream per device; their handle records an event there and `wait` makes the
@@ -49,46 +51,47 @@ class StreamHandle(WorkHandle):
         torch.cuda.current_stream().wait_event(self.event)
 
 
-_switch: Optional[Callable[[CommHandle], None]] = None
-_comm_streams: Optional[dict[torch.device, Any]] = None
+class OverlapSwitch:
+    """Where the two chunks of an overlapped pair pass the baton; outside a pair, `complete` waits."""
 
+    def __init__(self) -> None:
+        self._to: Optional[Callable[[CommHandle], None]] = None
+        self._streams: Optional[dict[torch.device, Any]] = None
 
-def complete(handle: CommHandle) -> None:
-    """The caller needs `handle`'s result now: wait, or let an overlapped chunk compute meanwhile."""
-    if _switch is None:
-        handle.wait()
-    else:
-        _switch(handle)
+    def complete(self, handle: CommHandle) -> None:
+        """The caller needs `handle`'s result now: wait, or let an overlapped chunk compute meanwhile."""
+        if self._to is None:
+            handle.wait()
+        else:
+            self._to(handle)
 
+    @contextlib.contextmanager
+    def switching(self, to: Callable[[CommHandle], None], comm_streams: bool = False) -> Iterator[None]:
+        """Within the block, `complete` calls `to` (and CUDA collectives use a comm stream if asked)."""
+        if self._to is not None:
+            raise RuntimeError("an overlapped pair is already running")
+        self._to, self._streams = to, ({} if comm_streams else None)
+        try:
+            yield
+        finally:
+            self._to, self._streams = None, None
 
-@contextlib.contextmanager
-def switching(switch: Callable[[CommHandle], None], comm_streams: bool = False) -> Iterator[None]:
-    """Within the block, `complete` calls `switch` (and CUDA collectives use a comm stream if asked)."""
-    global _switch, _comm_streams
-    if _switch is not None:
-        raise RuntimeError("an overlapped pair is already running")
-    _switch, _comm_streams = switch, ({} if comm_streams else None)
-    try:
-        yield
-    finally:
-        _switch, _comm_streams = None, None
-
-
-def comm_stream(device: torch.device) -> Any:
-    """The communication stream of `device` inside an overlapped pair on CUDA, else None."""
-    if _comm_streams is None or device.type != "cuda":
-        return None
-    if device not in _comm_streams:
-        _comm_streams[device] = torch.cuda.Stream(device=device)
-    return _comm_streams[device]
+    def comm_stream(self, device: torch.device) -> Any:
+        """The communication stream of `device` inside an overlapped pair on CUDA, else None."""
+        if self._streams is None or device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
 
 
 def all_to_all_async(group: dist.ProcessGroup, send: torch.Tensor, send_splits: list[int],
-                     recv_splits: list[int]) -> tuple[torch.Tensor, CommHandle]:
-    """Launch `all_to_all_single` of rows; returns the (not yet valid) output and its handle."""
+                     recv_splits: list[int], switch: OverlapSwitch) -> tuple[torch.Tensor, CommHandle]:
+    """Launch `all_to_all_single` of rows (on `switch`'s comm stream if it has one); returns the (not
+    yet valid) output and its handle."""
     send = send.contiguous()
     out = send.new_empty((sum(recv_splits), *send.shape[1:]))
-    stream = comm_stream(send.device)
+    stream = switch.comm_stream(send.device)
     if stream is None:
         work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
         return out, WorkHandle(work, send, out)

@@ -36,7 +36,7 @@ from model.dispatcher import Layout
 from model.fp8 import Fp8Tensor
 from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
 from parallel.dispatch.fp8 import ReceivedFp8Rows, dequantize_e4m3, quantize_e4m3
-from parallel.dispatch.handles import StreamHandle, WorkHandle, comm_stream, complete
+from parallel.dispatch.handles import OverlapSwitch, StreamHandle, WorkHandle
 from parallel.dispatch.layout import compute_layout
 
 PAYLOAD_DTYPES = (torch.bfloat16, torch.float32)  # what the kernels' combine can sum
@@ -103,17 +103,17 @@ def _tensors(value: Any):
             yield from _tensors(item)
 
 
-def on_comm_stream(fn: Callable[[], Any], inputs: tuple[torch.Tensor, ...]) -> Any:
-    """Run the buffer call `fn`; inside an overlapped pair on CUDA its kernels go to the pair's
+def on_comm_stream(fn: Callable[[], Any], inputs: tuple[torch.Tensor, ...], switch: OverlapSwitch) -> Any:
+    """Run the buffer call `fn`; inside an overlapped pair (`switch` installed) on CUDA its kernels go to the pair's
     communication stream (whose SMs are the buffer's `num_sms` budget) and the other chunk computes
     until they finish, as the all-to-alls of the pure-torch backends do. Elsewhere (the CPU emulation,
     or outside a pair) the call has finished when it returns; a pair still passes the baton here, so
     the chunks interleave at the same points on every device."""
     device = inputs[0].device
-    stream = comm_stream(device)
+    stream = switch.comm_stream(device)
     if stream is None:
         out = fn()
-        complete(WorkHandle(None))
+        switch.complete(WorkHandle(None))
         return out
     compute = torch.cuda.current_stream(device)
     stream.wait_stream(compute)
@@ -123,7 +123,7 @@ def on_comm_stream(fn: Callable[[], Any], inputs: tuple[torch.Tensor, ...]) -> A
         event.record(stream)
     for tensor in inputs:
         tensor.record_stream(stream)
-    complete(StreamHandle(None, event))
+    switch.complete(StreamHandle(None, event))
     for tensor in _tensors(out):
         tensor.record_stream(compute)
     return out
@@ -138,7 +138,8 @@ class _Dispatch(torch.autograd.Function):
         idx, weights = topk_idx.long().contiguous(), topk_weights.float().contiguous()
         layout_args = backend.layout_args(layout)
         recv, local, recv_w, per_expert, handle, _ = on_comm_stream(lambda: buffer.dispatch(
-            payload, **layout_args, topk_idx=idx, topk_weights=weights), (idx, weights, *_tensors(payload)))
+            payload, **layout_args, topk_idx=idx, topk_weights=weights), (idx, weights, *_tensors(payload)),
+            backend.switch)
         recv_x = dequantize_e4m3(recv[0], recv[1], x.dtype) if backend.fp8 else recv
         local = local.to(topk_idx.dtype)
         recv_w = recv_w.to(topk_weights.dtype)
@@ -162,7 +163,7 @@ class _Dispatch(torch.autograd.Function):
         buffer = backend.buffer_for(grad_x, native.num_topk)
         grad_w32 = grad_weights.float()
         combined, combined_w, _ = on_comm_stream(
-            lambda: buffer.combine(grad_x, native.handle, topk_weights=grad_w32), (grad_x, grad_w32))
+            lambda: buffer.combine(grad_x, native.handle, topk_weights=grad_w32), (grad_x, grad_w32), backend.switch)
         backend.count(COMBINE, native.combine_rows,
                       grad_x.shape[1] * grad_x.element_size() + grad_weights.shape[1] * grad_weights.element_size())
         return None, combined, combined_w.to(ctx.weights_dtype), None, None
@@ -173,7 +174,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, backend: NativeDispatcher, y: torch.Tensor, native: NativeHandle):
         backend.check_payload(y)
         buffer, y = backend.buffer_for(y, native.num_topk), y.contiguous()
-        combined, _, _ = on_comm_stream(lambda: buffer.combine(y, native.handle), (y,))
+        combined, _, _ = on_comm_stream(lambda: buffer.combine(y, native.handle), (y,), backend.switch)
         backend.count(COMBINE, native.combine_rows, y.shape[1] * y.element_size())
         ctx.backend, ctx.native = backend, native
         return combined
@@ -185,7 +186,8 @@ class _Combine(torch.autograd.Function):
         grad = grad.contiguous()
         buffer = backend.buffer_for(grad, native.num_topk)
         payload = quantize_e4m3(grad, round_scale=True) if backend.fp8 else grad
-        recv, *_ = on_comm_stream(lambda: buffer.dispatch(payload, handle=native.handle), (grad, *_tensors(payload)))
+        recv, *_ = on_comm_stream(lambda: buffer.dispatch(payload, handle=native.handle), (grad, *_tensors(payload)),
+                                  backend.switch)
         backend.count(DISPATCH, native.dispatch_rows, backend.payload_row_bytes(grad))
         return None, dequantize_e4m3(recv[0], recv[1], grad.dtype) if backend.fp8 else recv, None
 
@@ -196,19 +198,21 @@ class NativeDispatcher:
     `config` says the kind of buffer `buffer_factory` makes: intranode (`Config`, the default) or
     internode (`InternodeConfig`, ranks numbered node * ranks_per_node + GPU), and by default its size
     (`sizes` overrides it: `deepep` sizes by DeepEP's configs). `payload_dtypes` are the row dtypes the
-    buffer moves and sums; `name` is the dispatcher's name in errors.
+    buffer moves and sums; `name` is the dispatcher's name in errors; its buffer calls complete through
+    `switch` (None: one of its own, which only waits).
     """
 
     def __init__(self, buffer_factory: BufferFactory, num_experts: int, num_ranks: int, rank: int,
                  ranks_per_node: int, fp8: bool = False, config: Config | InternodeConfig | None = None,
                  sizes: BufferSizer | None = None, payload_dtypes: tuple[torch.dtype, ...] = PAYLOAD_DTYPES,
-                 name: str = "native") -> None:
+                 name: str = "native", switch: OverlapSwitch | None = None) -> None:
         if num_experts % num_ranks:
             raise ValueError(f"{num_experts} experts cannot be split over {num_ranks} EP ranks")
         self.buffer_factory, self.config = buffer_factory, config or Config()
         self.sizes = sizes or (lambda hidden_bytes, num_topk: buffer_sizes(
             self.config, self.num_ranks, self.ranks_per_node, hidden_bytes, num_topk))
         self.payload_dtypes, self.name = payload_dtypes, name
+        self.switch = switch if switch is not None else OverlapSwitch()
         self.num_experts, self.num_ranks, self.rank = num_experts, num_ranks, rank
         self.ranks_per_node, self.experts_per_rank = ranks_per_node, num_experts // num_ranks
         self.fp8 = fp8

@@ -17,6 +17,7 @@ import torch
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher
 from parallel.data_parallel import GradientSync
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.mixed_precision import zero_grad_buffers
 from parallel.topology import Topology, group_ranks
 
@@ -45,14 +46,15 @@ def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, vi
 class ModelPipeline:
     """This rank's stages of the model and the runtime that runs them.
 
-    `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`). `fp8`: the
-    weight GEMMs in FP8 (model.fp8; train.precision=fp8).
+    `overlap`: FB actions run their halves interleaved (`parallel.pipeline.overlap`), passing the baton
+    through this switch, the one `dispatcher` completes its collectives through (None: one half after
+    the other). `fp8`: the weight GEMMs in FP8 (model.fp8; train.precision=fp8).
     The runtime is created at the first step, when the model has its final device and dtype.
     """
 
     def __init__(self, args: ModelArgs, topology: Topology, lowered: LoweredSchedule, specs: Sequence[StageSpec],
                  micro_batch_size: int, seq_length: int, dispatcher: Optional[Dispatcher] = None,
-                 timeout_s: float = 300.0, overlap: bool = True, fp8: bool = False) -> None:
+                 timeout_s: float = 300.0, overlap: Optional[OverlapSwitch] = None, fp8: bool = False) -> None:
         self.topology, self.lowered = topology, lowered
         placement = lowered.schedule.placement
         self.store = WeightGradStore()
@@ -106,8 +108,8 @@ class ModelPipeline:
             self.runtime = PipelineRuntime(self.lowered, self.topology.pp_rank, self.stages, self.store,
                                            (self.shape, param.dtype, param.device), self.topology.pp_group,
                                            after_compute=self._after_compute)
-            if self.overlap:
-                self.runtime.fb_overlap = FBOverlap()
+            if self.overlap is not None:
+                self.runtime.fb_overlap = FBOverlap(self.overlap)
         return self.runtime
 
     def _after_compute(self, action: Action) -> None:
@@ -133,7 +135,7 @@ class ModelPipeline:
         self._sync = sync
         try:
             zero_grad_buffers(self.model.parameters())
-            runtime.step([MicroBatch(ids, labels, loss_scale, mtp_loss_scale) for ids, labels in batches], loss_scale)
+            runtime.step([MicroBatch(ids, labels, loss_scale, mtp_loss_scale) for ids, labels in batches])
             self.readiness.assert_done()
             if sync is None:
                 self.replicas.reduce_gradients()

@@ -5,7 +5,9 @@ Sub-steps. A chunk's sub-steps are the spans between its collectives: for an MoE
 attention + router | dispatch | experts | combine | shared expert + next attention, and for its
 backward combine-backward | experts B | dispatch-backward | attention B (weight gradients queued
 in the W store where the backward is a B). Every collective is launched asynchronously and
-returns a handle (`parallel.dispatch.handles`); `complete(handle)` ends the sub-step.
+returns a handle (`parallel.dispatch.handles`); `switch.complete(handle)` ends the sub-step, where
+`switch` is the `OverlapSwitch` the pair's scheduler shares with the communicators and dispatchers
+of its chunks (whoever runs the pairs creates it and hands it to both).
 
 Scheduling. Each chunk runs the model's ordinary forward or backward (so results are bitwise those
 of the sequential run, and a chunk may pair with one whose forward ran outside a pair) on its
@@ -28,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from parallel.dispatch.handles import CommHandle, switching
+from parallel.dispatch.handles import CommHandle, OverlapSwitch
 
 Chunk = Callable[[], None]
 
@@ -70,9 +72,11 @@ class OverlapStats:
 
 
 class FBOverlap:
-    """The runtime's FB hook: `hook(forward, backward)` runs the two chunks interleaved."""
+    """The runtime's FB hook: `hook(forward, backward)` runs the two chunks interleaved, passing the
+    baton at every collective completed through `switch`."""
 
-    def __init__(self) -> None:
+    def __init__(self, switch: OverlapSwitch) -> None:
+        self.switch = switch
         self.stats = OverlapStats()
         self._chunks: list[_Chunk] = []
         self._running: Optional[_Chunk] = None
@@ -85,7 +89,7 @@ class FBOverlap:
         for chunk in self._chunks:
             chunk.thread.start()
         try:
-            with switching(self._switch, comm_streams=torch.cuda.is_available()):
+            with self.switch.switching(self._switch, comm_streams=torch.cuda.is_available()):
                 self._schedule()
         finally:
             for chunk in self._chunks:
@@ -120,7 +124,7 @@ class FBOverlap:
                 self._resume(chunk)
 
     def _switch(self, handle: CommHandle) -> None:
-        """Called by the running chunk's thread (or the autograd engine's) at `complete(handle)`."""
+        """Called by the running chunk's thread (or the autograd engine's) at `switch.complete(handle)`."""
         chunk = self._running
         assert chunk is not None
         self.stats.collectives += 1

@@ -12,8 +12,8 @@ shape exchange.
 Per (stage, micro-batch): F keeps the stage's input and output; a sent output's storage is
 released once its send completed (the autograd graph stays; backward then goes straight to the
 autograd engine, as Megatron and DualPipe do, because the public API would reject the emptied
-output). B/BW run the backward from the received output gradient (the loss stage: from
-`loss_scale`), inside the W store's scope so B queues its weight-gradient work and BW runs it;
+output). B/BW run the backward from the received output gradient (the loss stage: from 1, its loss
+being scaled already), inside the W store's scope so B queues its weight-gradient work and BW runs it;
 the input gradient is sent, or handed to the local previous stage (the bottom of a V). W pops the
 queued work. FB runs its forward half, then its backward half, or, given `fb_overlap`
 (`parallel.pipeline.overlap.FBOverlap`), the two interleaved so each hides the other's
@@ -36,7 +36,8 @@ Key = tuple[int, int]  # (stage, microbatch)
 
 
 class Stage(Protocol):
-    """What the runtime needs from a stage: a forward; the loss stage returns a scalar loss."""
+    """What the runtime needs from a stage: a forward; the loss stage returns the scalar its backward
+    starts from (the loss, times whatever scale the stage applies). Stages keep what they report."""
 
     def forward(self, microbatch: int, x: Optional[torch.Tensor], inputs: Any) -> torch.Tensor: ...
 
@@ -47,7 +48,6 @@ class _StepState:
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
     input_grads: dict[Key, torch.Tensor] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
     live: set[Key] = field(default_factory=set)
     peak: int = 0
 
@@ -110,12 +110,11 @@ class PipelineRuntime:
     def _local(self, stage: int, microbatch: int) -> bool:
         return self.lowered.schedule.rank_of(stage, microbatch) == self.pp_rank
 
-    def step(self, inputs: Sequence[Any], loss_scale: float = 1.0) -> dict[int, torch.Tensor]:
-        """Run the program on micro-batches `inputs`; returns {microbatch: loss} of this rank's
-        loss stage (detached). The loss stage's backward starts from `loss_scale`. Afterwards
-        `peak_live` is the step's most micro-batch activations held at once (F done, W or BW not),
-        `compute_s` the wall time spent in compute actions and `action_s` those times by kind (F, B,
-        W, BW; an FB action, whose halves may interleave, is counted as FB)."""
+    def step(self, inputs: Sequence[Any]) -> None:
+        """Run the program on micro-batches `inputs` (what the stages report, e.g. losses, they keep).
+        Afterwards `peak_live` is the step's most micro-batch activations held at once (F done, W or BW
+        not), `compute_s` the wall time spent in compute actions and `action_s` those times by kind (F,
+        B, W, BW; an FB action, whose halves may interleave, is counted as FB)."""
         if len(inputs) != self.schedule_microbatches:
             raise ValueError(f"{len(inputs)} micro-batches for a schedule of {self.schedule_microbatches}")
         state = _StepState()
@@ -128,11 +127,11 @@ class PipelineRuntime:
             start = time.perf_counter()
             halves = item.halves()
             if len(halves) == 2 and self.fb_overlap is not None:
-                self.fb_overlap(lambda: self._compute(halves[0], state, inputs, loss_scale),
-                                lambda: self._compute(halves[1], state, inputs, loss_scale))
+                self.fb_overlap(lambda: self._compute(halves[0], state, inputs),
+                                lambda: self._compute(halves[1], state, inputs))
             else:
                 for half in halves:
-                    self._compute(half, state, inputs, loss_scale)
+                    self._compute(half, state, inputs)
             spent = time.perf_counter() - start
             self.compute_s += spent
             self.action_s.setdefault(item.kind, []).append(spent)
@@ -144,9 +143,8 @@ class PipelineRuntime:
             raise ScheduleError(f"pipeline rank {self.pp_rank}: step ended holding " + "; ".join(problems))
         self.store.assert_empty()
         self.peak_live = state.peak
-        return state.losses
 
-    def _compute(self, action: Action, state: _StepState, inputs: Sequence[Any], loss_scale: float) -> None:
+    def _compute(self, action: Action, state: _StepState, inputs: Sequence[Any]) -> None:
         key = (action.stage, action.microbatch)
         if action.kind is ActionKind.F:
             self._forward(key, state, inputs[action.microbatch])
@@ -154,7 +152,7 @@ class PipelineRuntime:
             self.store.run_w(*key)
             state.live.discard(key)
         else:
-            self._backward_action(action, state, loss_scale)
+            self._backward_action(action, state)
 
     def _forward(self, key: Key, state: _StepState, inputs: Any) -> None:
         stage, microbatch = key
@@ -167,7 +165,6 @@ class PipelineRuntime:
         state.live.add(key)
         state.peak = max(state.peak, len(state.live))
         if stage == self.num_stages - 1:
-            state.losses[microbatch] = output.detach()
             return
         self._check_activation(key, output)
         if self._local(stage + 1, microbatch):
@@ -180,10 +177,9 @@ class PipelineRuntime:
             raise ScheduleError(f"F{key[0]}.{key[1]}: output {tuple(output.shape)} {output.dtype}, "
                                 f"activations must be {self.shape} {self.dtype}")
 
-    def forward_only(self, inputs: Sequence[Any]) -> dict[int, torch.Tensor]:
+    def forward_only(self, inputs: Sequence[Any]) -> None:
         """Forwards of any number of micro-batches through every stage, nothing kept for a
-        backward (run it under `torch.no_grad()`, e.g. for evaluation); returns {microbatch: loss}
-        of the loss stage where this rank holds it.
+        backward (run it under `torch.no_grad()`, e.g. for evaluation).
 
         No schedule: micro-batch after micro-batch, stage after stage, each stage where direction 0
         places it; an output goes to the next stage's rank by a blocking send. Every rank walks the
@@ -191,7 +187,6 @@ class PipelineRuntime:
         """
         placement, last = self.lowered.schedule.placement, self.num_stages - 1
         mine = [s for s in placement.stages_on(self.pp_rank) if placement.rank_of(s) == self.pp_rank]
-        losses: dict[int, torch.Tensor] = {}
         for microbatch, item in enumerate(inputs):
             x: Optional[torch.Tensor] = None
             for stage in mine:
@@ -200,18 +195,16 @@ class PipelineRuntime:
                     dist.recv(x, self._peer(placement.rank_of(stage - 1)), group=self.group)
                 x = self.stages[stage].forward(microbatch, x, item)
                 if stage == last:
-                    losses[microbatch] = x.detach()
                     continue
                 self._check_activation((stage, microbatch), x)
                 if placement.rank_of(stage + 1) != self.pp_rank:
                     dist.send(x, self._peer(placement.rank_of(stage + 1)), group=self.group)
-        return losses
 
-    def _backward_action(self, action: Action, state: _StepState, loss_scale: float) -> None:
+    def _backward_action(self, action: Action, state: _StepState) -> None:
         stage, microbatch = key = (action.stage, action.microbatch)
         output = state.outputs.pop(key)
         if stage == self.num_stages - 1:
-            grad = torch.full_like(output, loss_scale)
+            grad = torch.ones_like(output)
         else:
             grad = state.output_grads.pop(key)
         with self.store.scope(stage, microbatch, action.kind):

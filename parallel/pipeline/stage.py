@@ -145,7 +145,7 @@ class MicroBatch:
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    loss_scale: Optional[float] = None  # what backward multiplies the loss by (a training forward needs it)
+    loss_scale: Optional[float] = None  # what the loss is multiplied by before backward (a training forward needs it)
     mtp_loss_scale: Optional[float] = None  # None: the model's mtp_loss_scaling_factor
 
 
@@ -154,7 +154,8 @@ class ModelStage:
     every micro-batch.
 
     `inputs` of a micro-batch is a `MicroBatch`. A stage that is not the last returns its hidden
-    state; the last returns `lm_loss + mtp_loss_scale * mtp_loss` (balance losses reach their
+    state; the last returns `(lm_loss + mtp_loss_scale * mtp_loss) * loss_scale`, what backward
+    starts from, as the single-process `(out.loss * scale).backward()` (balance losses reach their
     gradients through `model.moe.AuxLossGradient`, so they need no path to this loss).
     """
 
@@ -183,7 +184,9 @@ class ModelStage:
         zero = out.aux_loss.new_zeros((), dtype=torch.float64)
         lm, mtp = (out.lm_loss.double(), out.mtp_loss.double()) if self.is_last else (zero, zero)
         self.parts[microbatch] = torch.stack([lm, mtp, out.aux_loss.detach().double()])
-        return out.prediction_loss if self.is_last else out.hidden
+        if not self.is_last:
+            return out.hidden
+        return out.prediction_loss if inputs.loss_scale is None else out.prediction_loss * inputs.loss_scale
 
     def pop_parts(self) -> dict[int, torch.Tensor]:
         """Per micro-batch [lm_loss, mtp_loss, aux_loss] (zeros where this stage has no such part)."""

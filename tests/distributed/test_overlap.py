@@ -5,6 +5,7 @@ import torch
 
 from moe_train.train import Trainer
 from parallel.dispatch.comm import ProcessGroupComm
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.mixed_precision import current_grad
 from parallel.pipeline.overlap import FBOverlap
 from parallel.topology import build_topology
@@ -26,7 +27,8 @@ def chunk(comm: ProcessGroupComm, tag: float, steps: int, log: list):
 def interleaved_pair(fail: bool) -> tuple[list, int, int]:
     import torch.distributed as dist
 
-    comm, log, hook = ProcessGroupComm(dist.group.WORLD), [], FBOverlap()
+    switch = OverlapSwitch()
+    comm, log, hook = ProcessGroupComm(dist.group.WORLD, switch), [], FBOverlap(switch)
 
     def failing() -> None:
         chunk(comm, 2.0, 1, log)()

@@ -15,7 +15,7 @@ from model.transformer import DeepSeekV3
 from parallel.pipeline import plan
 from parallel.pipeline.replicas import PipelineReplicas
 from parallel.pipeline.runtime import PipelineRuntime
-from parallel.pipeline.stage import MicroBatch, build_stages, stage_specs
+from parallel.pipeline.stage import MicroBatch, ModelStage, build_stages, stage_specs
 from parallel.mixed_precision import zero_grad_buffers
 from parallel.pipeline.wgrad import WeightGradStore
 
@@ -37,6 +37,12 @@ def reference_step(model: DeepSeekV3, batches, scale: float) -> list[torch.Tenso
         (out.loss * scale).backward()
         losses.append((out.lm_loss + model.args.mtp_loss_scaling_factor * out.mtp_loss).detach())
     return losses
+
+
+def loss_stage_losses(stage: ModelStage, mtp_loss_scale: float) -> dict[int, torch.Tensor]:
+    """Per micro-batch, the loss stage's lm_loss + mtp_loss_scale * mtp_loss from its loss parts, in the
+    losses' own fp32 (the parts are their exact float64 copies)."""
+    return {mb: parts[0].float() + mtp_loss_scale * parts[1].float() for mb, parts in stage.pop_parts().items()}
 
 
 def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages, layout, num_layers: int,
@@ -65,7 +71,9 @@ def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages,
         for step in range(2):
             batches = micro_batches(args, microbatches, input_seed + step)
             zero_grad_buffers(model.parameters())
-            losses = runtime.step([MicroBatch(ids, labels, scale) for ids, labels in batches], loss_scale=scale)
+            runtime.step([MicroBatch(ids, labels, scale) for ids, labels in batches])
+            last = placement.num_stages - 1
+            losses = loss_stage_losses(stages[last], args.mtp_loss_scaling_factor) if last in stages else {}
             replicas.reduce_gradients()
             expected = reference_step(reference, batches, scale)
             assert store.is_empty() and not runtime.pending_p2p

@@ -4,7 +4,7 @@ The layer is the proxy config's (moe_train/configs/dsv3_proxy_h200.yaml), bf16, 
 sequence, all experts local. Its EP traffic is the emulated native dispatcher's: at each dispatch
 and combine, forward and backward, an emulated 8-rank dispatch or combine of the layer's tokens
 runs on the communication stream with `--comm-sms` SMs, and the chunk completes it through
-`parallel.dispatch.handles.complete`, exactly where a real backend does. Prints times; asserts
+the pair's `OverlapSwitch` (`parallel.dispatch.handles`), exactly where a real backend does. Prints times; asserts
 nothing about them.
 
 Run: python -m tests.gpu.bench_overlap [--comm-sms 20]
@@ -21,7 +21,7 @@ from model.block import DecoderLayer
 from model.dispatcher import LocalDispatcher
 from model.rope import RotaryEmbedding
 from moe_train.config import load_config
-from parallel.dispatch.handles import StreamHandle, comm_stream, complete
+from parallel.dispatch.handles import OverlapSwitch, StreamHandle
 from parallel.pipeline.overlap import FBOverlap
 from tests.kernels.cases import payload, routing, weights
 
@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 class EmulatedTraffic:
     """One emulated dispatch or combine of the layer's tokens per call, on the comm stream if any."""
 
-    def __init__(self, hidden: int, topk: int, experts: int, sms: int) -> None:
+    def __init__(self, hidden: int, topk: int, experts: int, sms: int, switch: OverlapSwitch) -> None:
+        self.switch = switch
         config = Config(num_sms=sms)
         self.group = EmulatedGroup(RANKS, config.buffer_size_hint(RANKS, hidden * 2, topk), config)
         self.topk, self.experts = routing("random", RANKS, TOKENS // RANKS, experts, topk, 0), experts
@@ -42,7 +43,7 @@ class EmulatedTraffic:
         self.handles, self.ys = [r[4] for r in result], [r[0] for r in result]
 
     def move(self, combine: bool) -> None:
-        stream = comm_stream(torch.device("cuda"))
+        stream = self.switch.comm_stream(torch.device("cuda"))
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream or torch.cuda.current_stream()):
@@ -52,7 +53,7 @@ class EmulatedTraffic:
                 self.group.dispatch(self.xs, handles=self.handles)
             event = torch.cuda.Event()
             event.record()
-        complete(StreamHandle(None, event))
+        self.switch.complete(StreamHandle(None, event))
 
 
 class _Traffic(torch.autograd.Function):
@@ -87,7 +88,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
     model = load_config(ROOT / "moe_train/configs/dsv3_proxy_h200.yaml").model
-    traffic = EmulatedTraffic(model.hidden_size, model.moe_router_topk, model.num_moe_experts, args.comm_sms)
+    switch = OverlapSwitch()
+    traffic = EmulatedTraffic(model.hidden_size, model.moe_router_topk, model.num_moe_experts, args.comm_sms, switch)
     layer = DecoderLayer(model, moe=True, dispatcher=TrafficDispatcher(traffic)).cuda()
     cos, sin = RotaryEmbedding(model).cuda()(TOKENS, torch.device("cuda"))
     x = [torch.randn(1, TOKENS, model.hidden_size, device="cuda", requires_grad=True) for _ in range(2)]
@@ -114,7 +116,7 @@ def main() -> None:
         else:
             hook(forward_chunk, backward_chunk)
 
-    for name, hook in (("in turn", None), ("overlapped", FBOverlap())):
+    for name, hook in (("in turn", None), ("overlapped", FBOverlap(switch))):
         pair(hook)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -12,6 +12,7 @@ from kernels_cuda.rank_views import rank_views
 from parallel import dispatch as pd
 from parallel.dispatch import AllToAllDispatcher, DispatcherUnavailable, EPComms, NativeDispatcher, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.dispatch.layout import compute_layout
 from parallel.dispatch.native import BufferSizes
 from parallel.dispatch.simulated import SimulatedEPGroup
@@ -192,7 +193,7 @@ def test_make_dispatcher_native_without_the_extension_points_elsewhere():
 def _fake_group_comms(ep: int, per_node: int) -> EPComms:
     def comm(size, rank):
         c = ProcessGroupComm.__new__(ProcessGroupComm)
-        c.group, c.size, c.rank = object(), size, rank
+        c.group, c.size, c.rank, c.switch = object(), size, rank, OverlapSwitch()
         return c
 
     return EPComms(comm(ep, 0), comm(per_node, 0), comm(ep // per_node, 0))

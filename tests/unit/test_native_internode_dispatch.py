@@ -20,6 +20,7 @@ from moe_train.train import EXIT_BAD_INPUT, main
 from parallel import dispatch as pd
 from parallel.dispatch import DispatcherUnavailable, EPComms, HierarchicalDispatcher, NativeDispatcher, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
+from parallel.dispatch.handles import OverlapSwitch
 from parallel.dispatch.layout import compute_layout
 from parallel.dispatch.native import BufferSizes
 from parallel.dispatch.simulated import SimulatedEPGroup
@@ -202,7 +203,7 @@ def test_buffer_is_recreated_for_wider_rows_and_layout_comes_from_it():
 def _group_comms(ep: int, per_node: int, rank: int = 0) -> EPComms:
     def comm(size, r):
         c = ProcessGroupComm.__new__(ProcessGroupComm)
-        c.group, c.size, c.rank = f"group{size}", size, r
+        c.group, c.size, c.rank, c.switch = f"group{size}", size, r, OverlapSwitch()
         return c
 
     return EPComms(comm(ep, rank), comm(per_node, rank % per_node), comm(ep // per_node, rank // per_node))
