@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from moe_train.config.help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
                             describe_draws, load_tokenizer)
 from moe_train.checkpoint.hf_checkpoint import check_model_section, load_hf_weights
+from moe_train.moe_metrics import MOE_LAYERS, MoELayerMetrics
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
 from moe_train.ema import ParameterEMA
 from moe_train.optim import build_optimizer, set_learning_rate
@@ -62,11 +64,16 @@ def default_cache_dir() -> str:
     return os.environ.get("MOE_TRAIN_CACHE", str(Path.home() / ".cache" / "moe_train"))
 
 
-def read_metrics(steps: list[dict[str, torch.Tensor | float]]) -> list[dict[str, float]]:
-    """Step metrics with their tensors read back to the host: one copy, one host sync for all steps."""
+def read_metrics(steps: list[dict[str, torch.Tensor | float]]) -> list[dict[str, Any]]:
+    """Step metrics with their tensors read back to the host: one copy, one host sync for all steps; a tensor
+    of several values (the MoE layer table) comes back as a flat list."""
     tensors = [v for m in steps for v in m.values() if isinstance(v, torch.Tensor)]
-    values = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
-    return [{k: next(values) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in steps]
+    values = iter(torch.cat([t.double().reshape(-1) for t in tensors]).tolist() if tensors else [])
+
+    def read(t: torch.Tensor) -> float | list[float]:
+        return next(values) if t.dim() == 0 else [next(values) for _ in range(t.numel())]
+
+    return [{k: read(v) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in steps]
 
 
 def non_finite_part(record: dict[str, float]) -> str | None:
@@ -107,6 +114,7 @@ class Trainer:
                 self.zb_meter = ZbCostMeter(config.parallel.zb_measure_steps)
         else:
             self.model = DeepSeekV3(config.model, dispatcher, Fp8GemmOps(sink=accumulate_weight_grad) if fp8 else None)
+        self.moe_metrics = MoELayerMetrics(self.model, config.model, self.device)
         initialize_parameters(self.model, config.train.seed, config.model.init_method_std)
         self.model.to(self.device)
         # the parameters in data-parallel buckets, in the compute dtype (bf16: parallel.mixed_precision)
@@ -309,9 +317,9 @@ class Trainer:
 
     def _update_router_biases(self, rate: float, keep: torch.Tensor) -> torch.Tensor:
         """Bias update from the global batch's expert loads, times `keep` (0 on a skipped step);
-        returns the worst max/mean load ratio."""
+        returns the per-MoE-layer table of the whole model (moe_train.moe_metrics), the same on every rank."""
         routers = self.model.routers()
-        ratio = torch.ones((), device=self.device)
+        loads = biases = torch.zeros(0, 0, device=self.device)
         if routers:
             loads = self.grads.sum_over_dp(torch.stack([r.expert_load for r in routers]))
             if self.pipeline is not None:
@@ -319,10 +327,11 @@ class Trainer:
             for router, load in zip(routers, loads):
                 router.apply_bias_update(load, keep * rate)
                 router.expert_load.zero_()
-            ratio = (loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)).max()
+            biases = torch.stack([r.e_score_correction_bias for r in routers])
+        table = self.moe_metrics.table(loads, biases)
         if self.pipeline is not None:
-            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
-        return ratio
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        return table
 
     def compute_gradients(self) -> dict[str, torch.Tensor]:
         """Forward and backward of the next global batch, gradients reduced over data parallelism
@@ -350,9 +359,11 @@ class Trainer:
         if self.ema is not None:
             self.ema.update()
         release_grads(self.model.parameters())
-        load_ratio = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
+        table = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
+        load_ratio = table[:, 0].max() if len(table) else torch.ones((), device=self.device)
         self.step += 1
-        return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio, "skipped": skipped}
+        return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio, "skipped": skipped,
+                MOE_LAYERS: table}
 
     def train_step(self) -> dict[str, torch.Tensor | float]:
         """One optimizer step. Its metrics stay on the device (`read_metrics` brings them to the host),
@@ -469,13 +480,15 @@ class Trainer:
             self.logger.info(f"{why}: step skipped, no update ({self.consecutive_skips} in a row, "
                              f"train.max_skipped_steps={limit})")
 
-    def _log(self, metrics: dict[str, float], step_times: list[float], evaluate: bool) -> None:
+    def _log(self, metrics: dict[str, Any], step_times: list[float], evaluate: bool) -> None:
         """Log one step's record; tokens/s are those of the steps since the previous read-back,
         `skipped_steps` the steps skipped since the previous record (Megatron's skipped iterations)."""
         cfg = self.cfg
         recent = step_times[-20:]
-        record = {**metrics, "consumed_samples": self.sampler.consumed_samples, "skipped_steps": self.skipped_since_log,
-                  "eta_s": (cfg.train.steps - self.step) * sum(recent) / len(recent)}
+        record = {k: v for k, v in metrics.items() if k != MOE_LAYERS}
+        record.update(self.moe_metrics.record(metrics[MOE_LAYERS]))
+        record.update({"consumed_samples": self.sampler.consumed_samples, "skipped_steps": self.skipped_since_log,
+                       "eta_s": (cfg.train.steps - self.step) * sum(recent) / len(recent)})
         self.skipped_since_log = 0
         if self.device.type == "cuda":
             record["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (cfg.train.peak_tflops * 1e12)

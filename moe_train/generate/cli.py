@@ -1,7 +1,8 @@
-"""Sample from a training checkpoint: `python -m moe_train.generate --config CONFIG --checkpoint CKPT
+"""Sample from a training checkpoint: `python -m moe_train.generate --checkpoint CKPT [--config CONFIG]
 --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] [--set k=v ...]`.
 
-CKPT is a checkpoint root (its latest iteration) or an `iter_*` folder. The prompt is encoded with
+CKPT is a checkpoint root (its latest iteration) or an `iter_*` folder. The config is the one the
+checkpoint holds (its config.yaml) unless `--config` names another. The prompt is encoded with
 `data.tokenizer`, prefilled through the configured dispatcher and decoded token by token with the
 KV cache and the low-latency exchange (`moe_train.generate.decoding`); MTP layers are not loaded. Under
 torchrun with `parallel.ep` = the number of processes, each process holds and loads only its
@@ -33,7 +34,7 @@ from moe_train.generate.decoding import generate_ids
 from moe_train.runtime import device_type, select_device
 from moe_train.generate.sampling import next_token
 from moe_train.launch.exit_codes import EXIT_BAD_INPUT
-from moe_train.preflight.start_up import choose_dispatcher, start_expert_parallel
+from moe_train.preflight.start_up import choose_dispatcher, launched_processes, start_expert_parallel
 from parallel.dispatch import DispatcherUnavailable, make_dispatcher
 from parallel.dispatch.comm import ProcessGroupComm
 from parallel.dispatch.low_latency import LowLatencyExchange
@@ -43,6 +44,9 @@ from parallel.topology import Topology
 
 TRAINING_ONLY_KEYS = ("recompute_modules", "recompute_granularity", "moe_aux_loss_coeff",
                       "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "mtp_num_layers", "init_method_std")
+
+# A checkpoint's config.yaml holds its training layout; generation has no pipeline stages and no FP8 dispatch.
+GENERATION_LAYOUT = ("parallel.pp=1", "parallel.fp8_dispatch=false")
 
 
 class BadInput(ValueError):
@@ -80,6 +84,19 @@ def check_model_section(config: Config, folder: Path) -> None:
               if key in saved and key not in TRAINING_ONLY_KEYS and saved[key] != ours[key]]
     if differ:
         raise BadInput(f"--config: the model section differs from {saved_file}: " + "; ".join(differ))
+
+
+def generation_config(config_file: str | None, folder: Path, overrides: list[str]) -> Config:
+    """`config_file` with `overrides`, or without it the config the checkpoint was trained with, its training
+    layout replaced by generation's (`GENERATION_LAYOUT`, every launched process in the EP group)."""
+    if config_file is not None:
+        return load_config(config_file, overrides)
+    saved_file = folder / "config.yaml"
+    if not saved_file.is_file():
+        raise BadInput(f"--checkpoint: {folder} holds no config.yaml; name the config it was trained with "
+                       "in --config")
+    layout = [*GENERATION_LAYOUT, f"parallel.ep={launched_processes()}"]
+    return load_config(saved_file, layout + overrides)
 
 
 def prompt_ids(tokenizer: Tokenizer, config: Config, options: Options) -> list[int]:
@@ -180,7 +197,8 @@ class TextStream:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m moe_train.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="the YAML config the checkpoint was trained with")
+    parser.add_argument("--config", help="a YAML config with the checkpoint's model section (default: the "
+                                          "config.yaml the checkpoint holds)")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint root or an iter_* folder")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -204,8 +222,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     topology = None
     try:
         options.check()
-        config = load_config(args.config, args.overrides)
         folder = checkpoint_folder(args.checkpoint, "--checkpoint")
+        config = generation_config(args.config, folder, args.overrides)
         check_model_section(config, folder)
         tokenizer = load_tokenizer(config.data.tokenizer)
         ids = prompt_ids(tokenizer, config, options)

@@ -68,10 +68,15 @@ def start_distributed(config: Config) -> Topology | None:
     return topology
 
 
+def launched_processes() -> int:
+    """The processes torchrun or srun started (1 without either)."""
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
 def start_expert_parallel(config: Config) -> Topology | None:
     """Generation's layout: the EP group spanning every process when launched with several (torchrun
     or srun), else None."""
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    world = launched_processes()
     p = config.parallel
     if p.pp != 1:
         raise ConfigError([("parallel.pp", f"generation runs without pipeline stages, got {p.pp}")])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,55 @@ def test_checkpoint_without_config_file_is_checked_by_shape(tmp_path, capsys, ti
     (folder / "config.yaml").unlink()
     status, _, err = run_cli(capsys, folder, "--prompt", "hi", "--set", "model.moe_ffn_hidden_size=16")
     assert status == 2 and "shape mismatch" in err and len(err.strip().splitlines()) == 1, err
+
+
+def copy_with_config(root: Path, tmp_path: Path, **changes: dict) -> Path:
+    """The tiny checkpoint's iteration folder with its config.yaml's sections updated by `changes`."""
+    import shutil
+
+    import yaml
+
+    folder = tmp_path / "iter_0000003"
+    shutil.copytree(root / "iter_0000003", folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    for section, values in changes.items():
+        config[section].update(values)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    return folder
+
+
+def generate_json(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    status = generate_main([*args, "--prompt", "The expert router", "--max-new-tokens", "8", "--temperature", "0",
+                            "--json"])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_without_config_the_checkpoint_config_is_read_and_its_training_layout_dropped(tmp_path, capsys,
+                                                                                      tiny_checkpoint):
+    root, _ = tiny_checkpoint
+    status, expected, err = generate_json(capsys, "--config", str(TINY), "--checkpoint", str(root))
+    assert status == 0, err
+    folder = copy_with_config(root, tmp_path, parallel={"pp": 2, "ep": 2, "schedule": "1f1b"})
+    status, out, err = generate_json(capsys, "--checkpoint", str(folder))
+    assert status == 0 and out == expected, err
+
+
+def test_config_overrides_the_checkpoint_config(tmp_path, capsys, tiny_checkpoint):
+    root, _ = tiny_checkpoint
+    folder = copy_with_config(root, tmp_path, data={"tokenizer": str(tmp_path / "gone.json")})
+    status, _, err = generate_json(capsys, "--checkpoint", str(folder))
+    assert status == 2 and "gone.json" in err and len(err.strip().splitlines()) == 1, err  # read from the checkpoint
+    status, _, err = generate_json(capsys, "--checkpoint", str(folder), "--config", str(TINY))
+    assert status == 0, err
+    status, _, err = generate_json(capsys, "--checkpoint", str(folder), "--set", "data.tokenizer=byte")
+    assert status == 0, err
+
+
+def test_without_config_a_checkpoint_without_config_file_is_refused_in_one_line(tmp_path, capsys, tiny_checkpoint):
+    root, _ = tiny_checkpoint
+    folder = copy_with_config(root, tmp_path)
+    (folder / "config.yaml").unlink()
+    status, _, err = generate_json(capsys, "--checkpoint", str(folder))
+    assert status == 2 and f"{folder} holds no config.yaml" in err and len(err.strip().splitlines()) == 1, err
