@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import sys
 import uuid
 from pathlib import Path
 from typing import Any, TextIO
+
+import torch
 
 from moe_train.atomic import publish_bytes
 from moe_train.data.errors import DataError
@@ -22,6 +25,19 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+GIB = 2**30
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak memory since it started, in GiB: on CUDA the caching allocator's most
+    allocated and most reserved (what `torch.cuda.max_memory_allocated` / `_reserved` read, no device
+    sync), elsewhere the peak resident set size (getrusage's ru_maxrss, KiB on Linux)."""
+    if device.type == "cuda":
+        return {"mem_allocated_peak_gib": torch.cuda.max_memory_allocated(device) / GIB,
+                "mem_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GIB}
+    return {"mem_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+
+
 def console_line(m: dict[str, Any], total_steps: int) -> str:
     parts = [f"step {m['step']:>{len(str(total_steps))}}/{total_steps}",
              f"loss {m['loss']:.4f} (lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} aux {m['aux_loss']:.2e})",
@@ -29,6 +45,10 @@ def console_line(m: dict[str, Any], total_steps: int) -> str:
              f"load max/mean {m['expert_load_max_over_mean']:.2f}"]
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "mem_allocated_peak_gib" in m:
+        parts.append(f"mem {m['mem_allocated_peak_gib']:.1f}/{m['mem_reserved_peak_gib']:.1f} GiB")
+    elif "mem_rss_peak_gib" in m:
+        parts.append(f"rss {m['mem_rss_peak_gib']:.2f} GiB")
     if m.get("skipped_steps"):
         parts.append(f"skipped {m['skipped_steps']}")
     if "valid_loss" in m:

@@ -31,7 +31,7 @@ from moe_train.data import (BatchSampler, DataError, SampleStream, build_dataset
                             describe_draws, load_tokenizer)
 from moe_train.checkpoint.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.moe_metrics import MOE_LAYERS, MoELayerMetrics
-from moe_train.metrics import LogWriteError, MetricsLogger, format_duration
+from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, peak_memory
 from moe_train.ema import ParameterEMA
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.launch.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
@@ -492,6 +492,7 @@ class Trainer:
         self.skipped_since_log = 0
         if self.device.type == "cuda":
             record["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (cfg.train.peak_tflops * 1e12)
+        record.update(peak_memory(self.device))
         if evaluate:
             record["valid_loss"] = self.evaluate()
         self.logger.log(record)

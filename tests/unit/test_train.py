@@ -55,11 +55,21 @@ def test_tiny_trains_logs_every_figure_and_checkpoints(tmp_path, cache_dir, caps
         assert all(isinstance(r[key], float) for r in logged), key
     assert "valid_loss" in logged[1] and "valid_loss" in logged[3]
     assert logged[-1]["loss"] < logged[0]["loss"]
+    # peak resident memory (this process's, since it started): it never falls, and it is at least what
+    # the process holds now
+    peaks = [r["mem_rss_peak_gib"] for r in logged]
+    assert peaks == sorted(peaks) and peaks[-1] >= current_rss_gib() > 0
     assert latest_iteration(run / "checkpoints") == 6
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000003", "iter_0000006"]
     assert load_config(run / "config.yaml").train.steps == 6
     out = capsys.readouterr().out
-    assert "step 6/6" in out and "tok/s" in out and "ETA" in out
+    assert "step 6/6" in out and "tok/s" in out and "ETA" in out and f"rss {peaks[-1]:.2f} GiB" in out
+
+
+def current_rss_gib() -> float:
+    """This process's resident set size now, from /proc/self/statm (pages)."""
+    import os
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, cache_dir):
