@@ -32,6 +32,7 @@ from moe_train.data import (BatchSampler, DataError, SampleStream, build_dataset
 from moe_train.checkpoint.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.moe_metrics import MOE_LAYERS, MoELayerMetrics
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, peak_memory
+from moe_train.profiling import StepProfiler
 from moe_train.ema import ParameterEMA
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.launch.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
@@ -138,6 +139,8 @@ class Trainer:
             "project": log.wandb_project, "mode": log.wandb_mode, "name": self.run_dir.name, "config": to_dict(config)}
         self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
                                     tensorboard=log.tensorboard, resume_step=self.step, wandb=wandb)
+        self.profiler = StepProfiler(log.profile_steps, log.profile_ranks, 0 if topology is None else topology.rank,
+                                     self.run_dir, self.device)
         if self.is_logger:
             path = self.run_dir / "config.yaml"
             try:
@@ -418,7 +421,8 @@ class Trainer:
         start = time.perf_counter()
         try:
             while self.step < cfg.train.steps:
-                pending.append(self.train_step())
+                with self.profiler.step(self.step + 1):
+                    pending.append(self.train_step())
                 votes = self.stop.agreed()
                 stop = votes > 0
                 evaluate = bool(cfg.train.eval_interval and self.valid_data is not None

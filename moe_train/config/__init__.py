@@ -252,6 +252,10 @@ class LoggingConfig:
         overwrite: with checkpoint.resume=none: move an earlier run in dir aside (never deleted)
         wandb_project: Weights & Biases project to log to (none: no W&B; needs the wandb package)
         wandb_mode: offline (files under <dir>/wandb, `wandb sync` them later) or online
+        profile_steps: [first, last]: steps (as the log counts them) traced with torch.profiler into
+            <dir>/profile/rank<r>_steps<first>-<last>.json (a Chrome trace; TensorBoard's profiler
+            reads it); none: no trace
+        profile_ranks: the ranks that trace profile_steps
     """
 
     dir: str = "runs/default"
@@ -259,6 +263,8 @@ class LoggingConfig:
     overwrite: bool = False
     wandb_project: Optional[str] = None
     wandb_mode: str = "offline"
+    profile_steps: Optional[list[int]] = None
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -542,6 +548,11 @@ def validate(config: Config) -> list[tuple[str, str]]:
         problems.append(("logging.overwrite", f"true needs checkpoint.resume=none, got {c.resume!r}"))
     problems.extend(_data_problems(config.data))
     _choice(problems, "logging.wandb_mode", config.logging.wandb_mode, WANDB_MODES)
+    steps = config.logging.profile_steps
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        problems.append(("logging.profile_steps", f"must be [first, last] with 1 <= first <= last, got {steps}"))
+    if any(rank < 0 for rank in config.logging.profile_ranks):
+        problems.append(("logging.profile_ranks", f"ranks are >= 0, got {config.logging.profile_ranks}"))
     return problems
 
 

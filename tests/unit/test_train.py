@@ -15,7 +15,7 @@ import torch
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
 from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
-from moe_train.config import load_config
+from moe_train.config import ConfigError, load_config
 from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -367,3 +367,19 @@ def test_a_run_that_cannot_fit_stops_before_allocating(tmp_path, capsys, overrid
     err = capsys.readouterr().err
     assert code == 2 and "error: memory: cpu memory: each process needs at least" in err, err
     assert not (tmp_path / "run").exists()  # refused before any work: no run directory, no model
+
+
+def test_profile_steps_write_a_chrome_trace_of_those_steps_only(tmp_path, cache_dir, capsys):
+    """logging.profile_steps=[2,3] on a 4-step run: rank 0 writes one Chrome trace holding the `step 2`
+    and `step 3` ranges and the ops run in them, and no other step; a reversed range is refused."""
+    run = tmp_path / "run"
+    assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=4", "logging.profile_steps=[2,3]")]) == 0
+    trace = run / "profile" / "rank0_steps2-3.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("step ")})
+    assert steps == ["step 2", "step 3"]
+    assert any(e.get("name", "").startswith("aten::mm") for e in events)
+    assert sorted(p.name for p in (run / "profile").iterdir()) == [trace.name]
+    assert f"profile of steps 2-3 written to {trace}" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="logging.profile_steps"):
+        load_config(TINY, ["logging.profile_steps=[3,2]"])
