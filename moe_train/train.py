@@ -21,9 +21,9 @@ from model.flops import training_flops_per_token
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint.dcp import (BackgroundSaves, CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
-                                      load_checkpoint, read_metadata, resolve_resume, save_checkpoint,
-                                      saved_moment_dtypes)
+from moe_train.checkpoint.dcp import (BackgroundSaves, CheckpointError, holds_ema, is_hf_folder, iteration_dir,
+                                      latest_iteration, load_checkpoint, read_metadata, resolve_resume,
+                                      save_checkpoint, saved_moment_dtypes)
 from moe_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from moe_train.config.help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,

@@ -81,6 +81,7 @@ def test_background_saves_of_two_ranks_equal_synchronous_saves(pools, corpus_cac
         folder = iteration_dir(root, step)
         assert {p.name for p in folder.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
         written = loaded(corpus_cache, tmp_path / f"load_async{step}", folder)
-        expected = loaded(corpus_cache, tmp_path / f"load_sync{step}", iteration_dir(runs["sync"] / "checkpoints", step))
+        expected = loaded(corpus_cache, tmp_path / f"load_sync{step}",
+                          iteration_dir(runs["sync"] / "checkpoints", step))
         assert written.keys() == expected.keys() and len(written) > 50
         assert all(torch.equal(written[key], expected[key]) for key in expected), step

@@ -97,7 +97,8 @@ def test_async_saves_train_as_sync_saves_and_resume_bit_exactly(tmp_path, cache_
     background = tmp_path / "async"
     assert main(["--config", TINY, *overrides(background, cache_dir, *common, "checkpoint.async_save=true")]) == 0
     assert {r["step"]: r["loss"] for r in records(background)} == expected
-    assert latest_iteration(background / "checkpoints") == 6 and list_iterations(background / "checkpoints") == [2, 4, 6]
+    saved = background / "checkpoints"
+    assert latest_iteration(saved) == 6 and list_iterations(saved) == [2, 4, 6] and not list(saved.glob("*.tmp"))
     resumed = tmp_path / "resumed"
     at_2 = f"checkpoint.resume={iteration_dir(background / 'checkpoints', 2)}"
     assert main(["--config", TINY, *overrides(resumed, cache_dir, *common, at_2)]) == 0
