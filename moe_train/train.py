@@ -22,9 +22,9 @@ from model.flops import training_flops_per_token
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from moe_train.checkpoint.dcp import (CheckpointError, holds_ema, is_hf_folder, iteration_dir, latest_iteration,
-                                      load_checkpoint, read_metadata, resolve_resume, save_checkpoint,
-                                      saved_moment_dtypes)
+from moe_train.checkpoint.dcp import (BackgroundSaves, CheckpointError, holds_ema, is_hf_folder, iteration_dir,
+                                      latest_iteration, load_checkpoint, read_metadata, resolve_resume,
+                                      save_checkpoint, saved_moment_dtypes)
 from moe_train.config import Config, ConfigError, load_config, to_dict, to_yaml
 from moe_train.config.help import config_keys_help
 from moe_train.data import (BatchSampler, DataError, SampleStream, build_datasets, build_demo_corpus, check_vocab,
@@ -134,6 +134,8 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_since_log = 0
         self._resume()
+        self.background_saves = BackgroundSaves(None if topology is None else dist.group.WORLD) \
+            if config.checkpoint.async_save else None
         log = config.logging
         wandb = None if log.wandb_project is None else {
             "project": log.wandb_project, "mode": log.wandb_mode, "name": self.run_dir.name, "config": to_dict(config)}
@@ -250,20 +252,30 @@ class Trainer:
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 
-    def save(self) -> Path:
+    def save(self, wait: bool = False) -> Path:
         """Write a checkpoint of the current step, the EMA after its last update included; TrainingDiverged
-        instead when the state is not finite."""
+        instead when the state is not finite. With checkpoint.async_save the write goes on in the background
+        (published at a later step boundary, `wait`: before returning)."""
         if self.ema is not None:
             self.ema.wait()
+        if self.background_saves is not None:
+            self.background_saves.wait()  # the previous save counts before this state is checked
         if not self.state_is_finite():
             raise TrainingDiverged(f"step {self.step}: non-finite weights, optimizer state or EMA, not saving them; "
                                    f"{self.kept_checkpoint()}")
         extra = {"step": self.step, "data": self.sampler.state_dict(),
                  "consumed_samples": self.sampler.consumed_samples}
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
-                               keep=self.cfg.checkpoint.keep, text_files={"config.yaml": to_yaml(self.cfg)},
-                               process_group=None if self.topology is None else dist.group.WORLD,
-                               ema=self.ema_state())
+        text_files = {"config.yaml": to_yaml(self.cfg)}
+        if self.background_saves is None:
+            return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
+                                   keep=self.cfg.checkpoint.keep, text_files=text_files,
+                                   process_group=None if self.topology is None else dist.group.WORLD,
+                                   ema=self.ema_state())
+        path = self.background_saves.start(self.cfg.checkpoint_dir, self.step, self.model, self.optimizer, extra,
+                                           keep=self.cfg.checkpoint.keep, text_files=text_files, ema=self.ema_state())
+        if wait:
+            self.background_saves.wait()
+        return path
 
     def _inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch's token rows on the device as (input ids, labels): the ids shifted by one."""
@@ -424,6 +436,8 @@ class Trainer:
                 with self.profiler.step(self.step + 1):
                     pending.append(self.train_step())
                 votes = self.stop.agreed()
+                if self.background_saves is not None:
+                    self.background_saves.poll()  # a failed background write stops the run here
                 stop = votes > 0
                 evaluate = bool(cfg.train.eval_interval and self.valid_data is not None
                                 and self.step % cfg.train.eval_interval == 0)
@@ -440,7 +454,7 @@ class Trainer:
                     tokens = cfg.train.global_batch_size * cfg.train.seq_length * len(records)
                     self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, evaluate)
                 if save or stop:
-                    path = self.save()
+                    path = self.save(wait=stop)
                 start = time.perf_counter()
                 if stop:
                     world = 1 if self.topology is None else self.topology.world_size
@@ -448,6 +462,8 @@ class Trainer:
                     return 0
             if not cfg.checkpoint.interval or self.step % cfg.checkpoint.interval:
                 self.save()
+            if self.background_saves is not None:
+                self.background_saves.wait()
         except TrainingDiverged as err:
             self.logger.info(f"error: {err}")
             return EXIT_DIVERGED
@@ -464,6 +480,8 @@ class Trainer:
         finally:
             if self.ema is not None:
                 self.ema.close()
+            if self.background_saves is not None:
+                self.background_saves.close()
             self.logger.close()
         self.logger.info(f"done: {self.step} steps in {format_duration(sum(step_times))}")
         return 0

@@ -18,9 +18,14 @@ latest file pointing to a complete folder; what a killed save left behind ends i
 removed by the next save. Loading runs no code from a checkpoint: its pickled files (DCP's metadata,
 extra.pt, the RNG files) are read with allow-lists (moe_train.checkpoint.safe_unpickle), and a file that names
 anything else is refused in one line.
+
+`BackgroundSaves` writes the same folders with DCP's async save: the state is copied to host memory, a
+thread writes the copy while training goes on, and the folder is published (the same rename, latest
+file and pruning) only once every rank's write has finished.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import io
@@ -42,6 +47,7 @@ from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from moe_train.atomic import fsync_dir, publish_bytes, write_durable
 from moe_train.checkpoint.safe_unpickle import UnsafePickle, load_dcp_metadata, load_plain
@@ -199,22 +205,157 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: nn.Module, optimi
     Optimizer state that does not exist yet (no step taken) is saved as zeros at step 0. `ema`: this
     rank's EMA tensors keyed as the model state (moe_train.ema), saved under `ema.`.
     """
+    save = _begin_save(root, step, keep, process_group)
+    state = _full_state_dict(model, optimizer, ema)
+    needed = _nbytes(state)
+    on_all_ranks(lambda: quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(save.tmp),
+                                     process_group=process_group), process_group, save.what, (save.root, needed))
+    _finish_save(save, extra, text_files, process_group)
+    return save.final
+
+
+@dataclasses.dataclass
+class _Save:
+    """One checkpoint being written: `tmp` is published as `final` once complete."""
+    root: Path
+    step: int
+    keep: int
+    final: Path
+    tmp: Path
+    coordinator: bool
+    rng: dict[str, Any]
+
+    @property
+    def what(self) -> str:
+        return f"saving {self.final}"
+
+
+def _begin_save(root: str | os.PathLike, step: int, keep: int, group: dist.ProcessGroup | None) -> _Save:
+    """Capture the RNG states and create the empty temporary folder (rank 0), removing what killed saves left."""
     if keep < 1 or step < 0:
         raise CheckpointError(f"{root}: cannot save step {step} keeping {keep}: need step >= 0 and keep >= 1")
-    rng = capture_rng_state()
-    root = Path(root)
     final = iteration_dir(root, step)
-    tmp = _tmp_name(final)
-    coordinator = _rank(process_group) == 0
-    what = f"saving {final}"
-    on_all_ranks(lambda: _prepare_root(root, tmp) if coordinator else None, process_group, what)
-    state = _full_state_dict(model, optimizer, ema)
-    needed = sum((t.values if isinstance(t, FlatRange) else t).nbytes for _, t in _flat_tensors(state))
-    on_all_ranks(lambda: quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(tmp),
-                                     process_group=process_group), process_group, what, (root, needed))
-    on_all_ranks(lambda: _write_rank_files(tmp, rng, extra, text_files, coordinator), process_group, what)
-    on_all_ranks(lambda: _publish(root, tmp, final, step, keep) if coordinator else None, process_group, what)
-    return final
+    save = _Save(Path(root), step, keep, final, _tmp_name(final), _rank(group) == 0, capture_rng_state())
+    on_all_ranks(lambda: _prepare_root(save.root, save.tmp) if save.coordinator else None, group, save.what)
+    return save
+
+
+def _finish_save(save: _Save, extra: dict, text_files: dict[str, str] | None, group: dist.ProcessGroup | None) -> None:
+    """Once every rank's tensors are written: the small files, then rank 0 publishes the folder."""
+    on_all_ranks(lambda: _write_rank_files(save.tmp, save.rng, extra, text_files, save.coordinator), group, save.what)
+    on_all_ranks(lambda: _publish(save.root, save.tmp, save.final, save.step, save.keep) if save.coordinator else None,
+                 group, save.what)
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    return sum((t.values if isinstance(t, FlatRange) else t).nbytes for _, t in _flat_tensors(state))
+
+
+class HostCopy(AsyncStager):
+    """DCP's stager for `BackgroundSaves`: a copy of the state in host memory that training cannot change.
+
+    DCP's own stager cannot copy the `FlatRange`s of ZeRO-1 pieces (parallel.flat_range), so each
+    range is copied as its values. The copy is made before `dcp.async_save` returns.
+    """
+    _synchronize_after_execute = False  # the copy is complete when `stage` returns
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _host_copy(state_dict)
+
+
+def _host_copy(tree: Any) -> Any:
+    if isinstance(tree, FlatRange):
+        return FlatRange(tree.shape, tree.start, tree.values.detach().to("cpu", copy=True))
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {key: _host_copy(value) for key, value in tree.items()}
+    return tree
+
+
+@dataclasses.dataclass
+class _Write:
+    """A checkpoint whose tensors DCP is writing in the background."""
+    save: _Save
+    future: concurrent.futures.Future
+    needed: int
+
+
+class BackgroundSaves:
+    """Checkpoints written while training goes on (checkpoint.async_save), at most one in flight.
+
+    `start` copies the state to host memory (`HostCopy`), writes the small files, and hands the copy to
+    `dcp.async_save`; the folder keeps its temporary name until `poll` (at each step boundary) finds every
+    rank's write finished, or `wait` blocks for it; then it is published as `save_checkpoint` publishes,
+    so the latest file only ever names complete checkpoints. A failed write raises CheckpointError there.
+    Every rank makes the same calls. Distributed, DCP's writing thread has a gloo group of its own and the
+    main thread's exchanges another, so neither meets the other's (or training's) collectives.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self._groups: list[dist.ProcessGroup] = []
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self._groups = [dist.new_group(ranks, backend="gloo") for _ in range(2)]
+        else:  # DCP warns from its writing thread, where quiet_dcp's catch_warnings does not reach
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self._pending: _Write | None = None
+
+    @property
+    def _control(self) -> dist.ProcessGroup | None:
+        return self._groups[0] if self._groups else None
+
+    @property
+    def _writer(self) -> dist.ProcessGroup | None:
+        return self._groups[1] if self._groups else None
+
+    def start(self, root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              extra: dict, keep: int, text_files: dict[str, str] | None = None,
+              ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """Wait for (and publish) the save in flight, then start writing checkpoint `step`; returns its folder."""
+        self.wait()
+        save = _begin_save(root, step, keep, self._control)
+        state = _full_state_dict(model, optimizer, ema)
+        on_all_ranks(lambda: _write_rank_files(save.tmp, save.rng, extra, text_files, save.coordinator),
+                     self._control, save.what)
+        future = on_all_ranks(lambda: dcp.async_save(state, storage_writer=dcp.FileSystemWriter(save.tmp),
+                                                     process_group=self._writer, async_stager=HostCopy()),
+                              self._control, save.what)
+        self._pending = _Write(save, future, _nbytes(state))
+        return save.final
+
+    def poll(self) -> Path | None:
+        """Publish the save in flight if every rank's write has finished; returns the folder published."""
+        if self._pending is None:
+            return None
+        done = torch.tensor([float(self._pending.future.done())])
+        if self._control is not None:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._control)
+        return self._publish() if done.item() else None
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight and publish it; returns the folder published."""
+        if self._pending is None:
+            return None
+        concurrent.futures.wait([self._pending.future])
+        return self._publish()
+
+    def close(self) -> None:
+        """Let a write still in flight end, unpublished (a run stopping on an error), and free the groups."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending.future])
+            self._pending = None
+        for group in self._groups:
+            dist.destroy_process_group(group)
+        self._groups = []
+
+    def _publish(self) -> Path:
+        write, self._pending = self._pending, None
+        save = write.save
+        on_all_ranks(write.future.result, self._control, save.what, (save.root, write.needed))
+        on_all_ranks(lambda: _publish(save.root, save.tmp, save.final, save.step, save.keep)
+                     if save.coordinator else None, self._control, save.what)
+        return save.final
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -233,6 +233,8 @@ class CheckpointConfig:
         keep: checkpoints kept; older ones are removed
         resume: 'auto' (the latest checkpoint of dir, if any), 'none' or a checkpoint path
         weights_only: load only model weights from resume (fine-tuning)
+        async_save: write checkpoints in the background while training goes on (one host-memory copy of
+            this rank's model, optimizer and EMA state while a save is in flight)
     """
 
     dir: Optional[str] = None
@@ -240,6 +242,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"
     weights_only: bool = False
+    async_save: bool = False
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Checkpoints: round trip, keep-K, latest file, resume resolution, weights-only, errors, kills, gloo."""
+"""Checkpoints: round trip, keep-K, latest file, resume resolution, weights-only, errors, kills, gloo,
+and background saves (checkpoint.async_save)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,8 +23,10 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.transformer import DeepSeekV3
+import torch.distributed.checkpoint as dcp
 from moe_train.checkpoint.dcp import (
     LATEST_FILE,
+    BackgroundSaves,
     CheckpointError,
     holds_ema,
     iteration_dir,
@@ -35,7 +39,7 @@ from moe_train.checkpoint.dcp import (
     saved_moment_dtypes,
 )
 from parallel.adamw import MOMENT_DTYPES, make_adamw
-from tests.unit._checkpoint_writer import build
+from tests.unit._checkpoint_writer import build, fill
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = 6
@@ -400,3 +404,77 @@ def test_two_gloo_ranks_save_and_load_one_checkpoint_with_rng_per_rank(tmp_path,
     path = iteration_dir(tmp_path / "ckpt", 2)
     assert {p.name for p in path.glob("rng_rank*.pt")} == {"rng_rank0.pt", "rng_rank1.pt"}
     assert torch.load(tmp_path / "draws0.pt") != torch.load(tmp_path / "draws1.pt")
+
+
+def gate_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Hold every DCP tensor write of this process until the returned event is set."""
+    write_data, gate = dcp.FileSystemWriter.write_data, threading.Event()
+
+    def gated(self: dcp.FileSystemWriter, *args):
+        assert gate.wait(timeout=120), "the test never opened the gate"
+        return write_data(self, *args)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", gated)
+    return gate
+
+
+def test_a_background_save_counts_once_published_and_holds_the_state_it_started_with(tmp_path, seed, monkeypatch):
+    """While the write is held: no latest file, the folder under its temporary name, `poll` publishes
+    nothing, and training changes the live tensors. Once written, `poll` publishes it (pruning with keep)
+    and it loads as it was when the save started."""
+    root = tmp_path / "ckpt"
+    model, optimizer = build(seed)
+    saves = BackgroundSaves()
+    for step in (1, 2):
+        gate = gate_writes(monkeypatch)
+        fill(model, optimizer, float(step))
+        assert saves.start(root, step, model, optimizer, {"step": step}, keep=1,
+                           text_files={"step.txt": f"{step}\n"}) == iteration_dir(root, step)
+        fill(model, optimizer, 100.0 + step)  # training goes on
+        assert saves.poll() is None and latest_iteration(root) == (None if step == 1 else step - 1)
+        assert (root / f"iter_{step:07d}.tmp").is_dir() and list_iterations(root) == ([] if step == 1 else [step - 1])
+        gate.set()
+        deadline = time.monotonic() + 120
+        while (published := saves.poll()) is None:
+            assert time.monotonic() < deadline, "the background write never finished"
+            time.sleep(0.01)
+        assert published == iteration_dir(root, step)
+        assert latest_iteration(root) == step and list_iterations(root) == [step]
+        _assert_loads_as_written(published, step, *build(seed))
+    saves.close()
+
+
+def _read_line(proc: subprocess.Popen, stderr: Path, timeout: float) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    assert line, f"the writer printed nothing:\n{stderr.read_text()}"
+    return line.strip()
+
+
+def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_loadable_and_resumable(tmp_path, seed):
+    """SIGKILL the async writer (tensor writes slowed down) while it writes step 2: 1 stays the latest and
+    loads as written. A restart resumes from 1 and is killed while writing step 3: step 2 is the latest and
+    holds step 2's values, although the model was refilled with 3 while step 2 was written."""
+    root, stderr = tmp_path / "ckpt", tmp_path / "writer.err"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    model, optimizer = build(seed)
+    delays = random.Random(seed)
+    for writing in (2, 3):
+        with open(stderr, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.unit._checkpoint_writer", str(root), "2", "async"],
+                                    cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            lines = [_read_line(proc, stderr, timeout=120)]
+            while lines[-1] != f"writing {writing}":
+                lines.append(_read_line(proc, stderr, timeout=120))
+            time.sleep(delays.uniform(0.0, 0.5))  # inside the 1 s delay of the tensor write
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+        assert lines[-2:] == [f"published {writing - 1}", f"writing {writing}"], lines
+        assert latest_iteration(root) == writing - 1, lines
+        assert (root / f"iter_{writing:07d}.tmp").is_dir() and not iteration_dir(root, writing).exists()
+        assert resolve_resume("auto", root) == iteration_dir(root, writing - 1)
+        for step in list_iterations(root):
+            _assert_loads_as_written(iteration_dir(root, step), step, model, optimizer)

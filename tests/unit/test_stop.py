@@ -10,10 +10,12 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from moe_train.config import load_config
 from moe_train.checkpoint.dcp import latest_iteration, list_iterations
 from tests.host_syncs import HostSyncCounter
+from tests.unit._checkpoint_writer import slowed_write
 from moe_train.launch.stop import StopRequest
 from moe_train.launch.stop_signals import STOP_SIGNALS
 from moe_train.train import Trainer
@@ -95,6 +97,21 @@ def test_the_loop_reads_the_stop_vote_once_per_step_and_stops_after_the_signalle
     assert [s.kind for s in stop_reads] == ["item"] * 4, counter.report()
     assert latest_iteration(run / "checkpoints") == 4 and list_iterations(run / "checkpoints") == [4]
     assert records(run) == []  # stopped before the first log interval
+
+
+def test_a_stop_signal_waits_for_the_background_save_before_exit_0(tmp_path, cache_dir, monkeypatch):
+    """checkpoint.async_save with every tensor write 1 s late: the stop after step 4 saves it and returns
+    only once that save is published (and the one of step 2 before it)."""
+    run = tmp_path / "run"
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", slowed_write(1.0))
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=20", "train.log_interval=20",
+                                                  "checkpoint.interval=2", "checkpoint.async_save=true")[1::2]))
+    signal_after_step(trainer, 3, signal.SIGUSR1)
+    with trainer.stop.handling_signals():
+        assert trainer.train() == 0
+    assert trainer.step == 4
+    assert latest_iteration(run / "checkpoints") == 4 and list_iterations(run / "checkpoints") == [2, 4]
+    assert not list((run / "checkpoints").glob("*.tmp"))
 
 
 def test_the_launcher_holds_a_stop_signal_until_a_starting_worker_notes_it():

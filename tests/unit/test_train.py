@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from benchmarks.bf16_loss_curves import curve_difference, loss_curve
 from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import ConfigError, load_config
 from moe_train.train import EXIT_DIVERGED, Trainer, TrainingDiverged, main, read_metrics
+from tests.unit._checkpoint_writer import slowed_write
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "moe_train/configs/tiny.yaml")
@@ -91,6 +93,26 @@ def test_sigkill_then_resume_gives_bit_identical_losses(tmp_path, cache_dir):
     after = {r["step"]: r["loss"] for r in records(killed) if r["step"] > resumed_from}
     assert sorted(after) == list(range(resumed_from + 1, 31))
     assert all(after[s] == expected[s] for s in after), (after, expected)
+
+
+def test_async_saves_train_as_sync_saves_and_resume_bit_exactly(tmp_path, cache_dir, monkeypatch):
+    """checkpoint.async_save with every tensor write 0.5 s late, so that the next steps change the live
+    tensors while a save is written: the losses equal a run with synchronous saves, and resuming from the
+    first background checkpoint (written while step 3 trained) gives steps 3 to 6 bit for bit."""
+    common = ("train.steps=6", "train.log_interval=1", "checkpoint.interval=2", "checkpoint.keep=3")
+    synchronous = tmp_path / "sync"
+    assert main(["--config", TINY, *overrides(synchronous, cache_dir, *common)]) == 0
+    expected = {r["step"]: r["loss"] for r in records(synchronous)}
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", slowed_write(0.5))
+    background = tmp_path / "async"
+    assert main(["--config", TINY, *overrides(background, cache_dir, *common, "checkpoint.async_save=true")]) == 0
+    assert {r["step"]: r["loss"] for r in records(background)} == expected
+    saved = background / "checkpoints"
+    assert latest_iteration(saved) == 6 and list_iterations(saved) == [2, 4, 6] and not list(saved.glob("*.tmp"))
+    resumed = tmp_path / "resumed"
+    at_2 = f"checkpoint.resume={iteration_dir(background / 'checkpoints', 2)}"
+    assert main(["--config", TINY, *overrides(resumed, cache_dir, *common, at_2)]) == 0
+    assert {r["step"]: r["loss"] for r in records(resumed)} == {s: expected[s] for s in range(3, 7)}
 
 
 def test_bf16_moments_resume_bit_exact_and_a_changed_moment_dtype_is_converted(tmp_path, cache_dir, capsys):
@@ -198,9 +220,13 @@ def test_consecutive_skips_stop_with_exit_3_naming_step_part_and_kept_checkpoint
     assert len(weights) > 50 and all(torch.equal(_snapshot(reloaded)[k], good[k]) for k in weights)
 
 
-def test_save_refuses_non_finite_weights(tmp_path, cache_dir):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_refuses_non_finite_weights(tmp_path, cache_dir, async_save):
+    """Also with checkpoint.async_save: the check comes before the save starts (no folder of step 2, not
+    even a temporary one), after the save in flight is published."""
     run = tmp_path / "run"
-    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5")[1::2]))
+    trainer = Trainer(load_config(TINY, overrides(run, cache_dir, "train.steps=5",
+                                                  f"checkpoint.async_save={str(async_save).lower()}")[1::2]))
     trainer.train_step()
     trainer.save()
     trainer.train_step()
@@ -208,7 +234,10 @@ def test_save_refuses_non_finite_weights(tmp_path, cache_dir):
     with pytest.raises(TrainingDiverged, match="step 2: non-finite weights, optimizer state or EMA, not saving them; "
                                                "the last good checkpoint is kept: .*iter_0000001"):
         trainer.save()
-    assert latest_iteration(run / "checkpoints") == 1 and list_iterations(run / "checkpoints") == [1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+    assert latest_iteration(run / "checkpoints") == 1
+    if trainer.background_saves is not None:
+        trainer.background_saves.close()
 
 
 def test_huge_learning_rate_stops_with_exit_3_and_every_checkpoint_is_finite(tmp_path, cache_dir, capsys):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from moe_train.checkpoint.dcp import latest_iteration, list_iterations
 from moe_train.train import EXIT_BAD_INPUT, EXIT_WRITE_FAILED, main
 from tests.unit.test_train import ROOT, TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
@@ -42,13 +44,19 @@ def test_garbage_in_the_middle_of_metrics_is_named_with_exit_2(tmp_path, cache_d
     assert f"{run / 'metrics.jsonl'}: line 1 is not a JSON record" in capsys.readouterr().err
 
 
-def test_checkpoint_write_failure_stops_with_one_line_and_the_previous_checkpoint_loads(tmp_path, cache_dir):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_checkpoint_write_failure_stops_with_one_line_and_the_previous_checkpoint_loads(tmp_path, cache_dir,
+                                                                                        async_save):
+    """With checkpoint.async_save the background write of step 4 fails: the run stops at a step boundary
+    after it (step 5's, or step 6's on a loaded machine; not at the end of the run) with the same line,
+    and nothing of step 4 is published."""
     run = tmp_path / "run"
-    common = ("train.log_interval=1", "checkpoint.interval=2")
+    common = ("train.log_interval=1", "checkpoint.interval=2", f"checkpoint.async_save={str(async_save).lower()}")
     assert main(["--config", TINY, *overrides(run, cache_dir, "train.steps=2", *common)]) == 0
     result = run_limited(overrides(run, cache_dir, "train.steps=6", *common), 200_000)
     assert result.returncode == EXIT_WRITE_FAILED, result.stderr
     [line] = result.stderr.splitlines()
+    assert max(r["step"] for r in records(run)) in ((4, 5) if async_save else (4,))  # stopped before the end
     assert line.startswith(f"error: saving {run / 'checkpoints' / 'iter_0000004'}: "), line
     assert "the file size limit, ulimit -f, is 200000 bytes" in line, line
     assert latest_iteration(run / "checkpoints") == 2 and list_iterations(run / "checkpoints") == [2]
