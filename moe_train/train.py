@@ -601,6 +601,9 @@ def run(args: argparse.Namespace, stop: StopRequest) -> int:
     except RunDirError as err:  # rank 0's outcome, told once
         if topology is None or topology.rank == 0:
             print(f"error: {err}", file=sys.stderr)
+        if topology is not None:  # every rank is here: leave the process group before exiting, not at exit
+            topology.destroy_groups()
+            dist.destroy_process_group()
         return EXIT_BAD_INPUT
     except (ConfigError, DataError, CheckpointError, DispatcherUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)

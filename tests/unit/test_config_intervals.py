@@ -15,6 +15,7 @@ from moe_train.config import INTERVALS, Config, ConfigError, load_config
 CHECKED_ELSEWHERE = {  # numeric keys whose range depends on other keys, with where it is checked
     "model.moe_router_num_groups": "ModelArgs._router_problems, against num_moe_experts",
     "model.moe_router_group_topk": "ModelArgs._router_problems, against the group count",
+    "logging.profile_ranks": "config.validate, each rank of the list >= 0",
 }
 
 

@@ -412,3 +412,5 @@ def test_profile_steps_write_a_chrome_trace_of_those_steps_only(tmp_path, cache_
     assert f"profile of steps 2-3 written to {trace}" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="logging.profile_steps"):
         load_config(TINY, ["logging.profile_steps=[3,2]"])
+    with pytest.raises(ConfigError, match="logging.profile_ranks"):
+        load_config(TINY, ["logging.profile_ranks=[0,-1]"])
