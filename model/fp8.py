@@ -470,9 +470,12 @@ class Fp8ActivatedGroupedFunction(torch.autograd.Function):
         grad_hidden = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, offsets, hidden.dtype)
         grad_w = None
         if ctx.needs_input_grad[2]:
-            columns, tile_groups = quantize_128x1_grouped(hidden.detach(), offsets, ctx.power_of_two_scale)
-            grad_w = _weight_grad(ctx, functools.partial(_grouped_weight_grad, grad_y, offsets, columns, tile_groups,
-                                                         weight_data.shape[0], ctx.power_of_two_scale))
+            # the rebuilt activation's 128x1 tiles are bound only in the partial: once a weight
+            # gradient computed now is done they are freed, before the SwiGLU's backward below
+            grad_w = _weight_grad(ctx, functools.partial(
+                _grouped_weight_grad, grad_y, offsets,
+                *quantize_128x1_grouped(hidden.detach(), offsets, ctx.power_of_two_scale),
+                weight_data.shape[0], ctx.power_of_two_scale))
         inputs = (x, row_weights) if row_weights.requires_grad else (x,)
         grads = torch.autograd.grad(hidden, inputs, grad_hidden)
         return grads[0], grads[1] if len(grads) > 1 else None, grad_w, None, None, None
