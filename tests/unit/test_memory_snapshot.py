@@ -10,6 +10,7 @@ import torch
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
 from moe_train.memory_snapshot import memory_snapshot_problem
+from moe_train.preflight.launch_info import main as launch_info
 from moe_train.train import Trainer, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +25,11 @@ def test_a_cpu_run_is_refused_with_one_line_naming_the_key(tmp_path, capsys):
     assert code == 2 and err == (f"error: logging.memory_snapshot: true needs CUDA (the CUDA caching allocator's "
                                  f"history); this run is on cpu\n"), err
     assert not run.exists()
+    # the launcher's check, before it starts 2 workers
+    assert launch_info(["--config", TINY, "--nproc-per-node", "2", "--set", "train.device=cpu",
+                        "--set", "logging.memory_snapshot=true"]) == 2
+    assert capsys.readouterr().err == (f"error: 1 node(s) x 2 process(es): logging.memory_snapshot: true needs CUDA "
+                                       f"(the CUDA caching allocator's history); this run is on cpu\n")
 
 
 def test_a_torch_without_the_history_api_is_refused(monkeypatch):

@@ -9,7 +9,8 @@ from parallel.dispatch.handles import OverlapSwitch
 
 def times(*compute_s: float, stages: tuple[int, ...] | None = None) -> list[RankTimes]:
     stages = stages or (0,) * len(compute_s)
-    return [RankTimes(rank, f"node{rank // 2}", stage, 2.0, c) for rank, (c, stage) in enumerate(zip(compute_s, stages))]
+    return [RankTimes(rank, f"node{rank // 2}", stage, 2.0, c)
+            for rank, (c, stage) in enumerate(zip(compute_s, stages))]
 
 
 def named(found) -> list[int]:
