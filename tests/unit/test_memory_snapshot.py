@@ -57,7 +57,7 @@ def test_the_trainer_writes_one_snapshot_after_the_first_step(tmp_path, monkeypa
     monkeypatch.setattr("moe_train.train.memory_snapshot_problem", lambda device_type: None)
     monkeypatch.setattr("moe_train.train.DeepSeekV3", Model)
     run = tmp_path / "run"
-    config = load_config(TINY, [f"logging.dir={run}", "logging.tensorboard=false", "train.steps=3",
+    config = load_config(TINY, [f"logging.dir={run}", "logging.tensorboard=false", "train.steps=2", "train.threads=1",
                                 "train.global_batch_size=4", f"data.cache_dir={tmp_path / 'cache'}",
                                 "data.demo_max_bytes=200000", "logging.memory_snapshot=true"])
     trainer = Trainer(config)
