@@ -31,8 +31,10 @@ from moe_train.data import (BatchSampler, DataError, SampleStream, build_dataset
                             describe_draws, load_tokenizer)
 from moe_train.checkpoint.hf_checkpoint import check_model_section, load_hf_weights
 from moe_train.moe_metrics import MOE_LAYERS, MoELayerMetrics
+from moe_train.memory_snapshot import MemorySnapshot, memory_snapshot_problem
 from moe_train.metrics import LogWriteError, MetricsLogger, format_duration, peak_memory
 from moe_train.profiling import StepProfiler
+from moe_train.straggler import ComputeClock, RankTimesExchange, find_stragglers, rank_metrics, straggler_line
 from moe_train.ema import ParameterEMA
 from moe_train.optim import build_optimizer, set_learning_rate
 from moe_train.launch.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_WRITE_FAILED
@@ -96,9 +98,11 @@ class Trainer:
         seed_everything(config.train.seed)
         self.device = select_device(config.train)
         self.run_dir = Path(config.logging.dir)
+        self.memory_snapshot = self._start_memory_snapshot()  # before the model is built: its history from here
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.train_data, self.valid_data = self._build_data()
         switch = OverlapSwitch()  # the overlapped pairs pass the baton where the dispatcher's collectives complete
+        self.compute_clock = ComputeClock(switch)
         dispatcher = make_dispatcher(dispatcher_name, topology, config.model.num_moe_experts,
                                      fp8=config.parallel.fp8_dispatch, comm_sms=config.parallel.comm_sms,
                                      device=self.device.type, switch=switch)
@@ -143,6 +147,8 @@ class Trainer:
                                     tensorboard=log.tensorboard, resume_step=self.step, wandb=wandb)
         self.profiler = StepProfiler(log.profile_steps, log.profile_ranks, 0 if topology is None else topology.rank,
                                      self.run_dir, self.device)
+        self.rank_times = None if topology is None or log.straggler_threshold is None else \
+            RankTimesExchange(topology.pp_rank, self.device)  # one process: no exchange, no report
         if self.is_logger:
             path = self.run_dir / "config.yaml"
             try:
@@ -156,6 +162,16 @@ class Trainer:
                              "the FP8 GEMMs are emulated (exact, slower)")
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
+
+    def _start_memory_snapshot(self) -> MemorySnapshot | None:
+        """`logging.memory_snapshot` on this rank (one of `logging.profile_ranks`): recording from now."""
+        log, rank = self.cfg.logging, 0 if self.topology is None else self.topology.rank
+        if not log.memory_snapshot or rank not in log.profile_ranks:
+            return None
+        problem = memory_snapshot_problem(self.device.type)  # (main refuses it at start-up already)
+        if problem is not None:
+            raise ConfigError([("logging.memory_snapshot", problem)])
+        return MemorySnapshot(self.run_dir, rank)
 
     def _build_data(self) -> tuple[SampleStream, SampleStream | None]:
         """The train and valid streams, their tokens checked against the vocabulary; the logging rank says how
@@ -289,10 +305,11 @@ class Trainer:
         parts = ("loss", *LOSS_PARTS)
         sums = torch.zeros(len(parts), dtype=torch.float64, device=self.device)
         scale = 1.0 / len(micro_batches)
-        for ids, labels in map(self._inputs, micro_batches):
-            out = self.model(ids, labels, mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
-            (out.loss * scale).backward()
-            sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
+        with self.compute_clock.phase():
+            for ids, labels in map(self._inputs, micro_batches):
+                out = self.model(ids, labels, mtp_loss_scale=mtp_scale, aux_grad_scale=scale)
+                (out.loss * scale).backward()
+                sums += torch.stack([getattr(out, part).detach().double() for part in parts]) * scale
         dp = 1 if self.topology is None else self.topology.dp
         reduced = self.grads.sum_over_dp(self.stop.with_vote(sums))  # pp 1: dp spans every rank
         self.stop.count(reduced[-1])
@@ -304,7 +321,9 @@ class Trainer:
         assert self.pipeline is not None and self.topology is not None
         scale = 1.0 / len(micro_batches)
         batches = [self._inputs(rows) for rows in micro_batches]
-        sums = self.stop.with_vote(self.pipeline.step(batches, scale, sync=self.grads, mtp_loss_scale=mtp_scale))
+        with self.compute_clock.phase(busy_s=lambda: self.pipeline.runtime.compute_s):  # its compute actions
+            sums = self.pipeline.step(batches, scale, sync=self.grads, mtp_loss_scale=mtp_scale)
+        sums = self.stop.with_vote(sums)
         if self.zb_meter is not None:
             self._measure_zb_costs(self.zb_meter)
         dist.all_reduce(sums)  # over pp and dp: each part of each micro-batch once per dp replica, each rank's vote
@@ -435,6 +454,9 @@ class Trainer:
             while self.step < cfg.train.steps:
                 with self.profiler.step(self.step + 1):
                     pending.append(self.train_step())
+                if self.memory_snapshot is not None and (written := self.memory_snapshot.after_step(self.step)):
+                    print(f"memory snapshot through step {self.step} written to {written} "
+                          "(pytorch.org/memory_viz)", flush=True)
                 votes = self.stop.agreed()
                 if self.background_saves is not None:
                     self.background_saves.poll()  # a failed background write stops the run here
@@ -517,7 +539,21 @@ class Trainer:
         record.update(peak_memory(self.device))
         if evaluate:
             record["valid_loss"] = self.evaluate()
+        stragglers = self._exchange_rank_times(record, step_times)
         self.logger.log(record)
+        for line in stragglers:
+            self.logger.info(line)
+
+    def _exchange_rank_times(self, record: dict[str, Any], step_times: list[float]) -> list[str]:
+        """With several processes (collective): every rank's step and compute times since the previous log
+        into `record`; returns the lines naming the stragglers (moe_train.straggler)."""
+        compute_s, steps = self.compute_clock.take()
+        if self.rank_times is None or not steps:
+            return []
+        times = self.rank_times.exchange(sum(step_times[-steps:]) / steps, compute_s / steps)
+        record.update(rank_metrics(times))
+        threshold = self.cfg.logging.straggler_threshold
+        return [straggler_line(s, self.step, threshold) for s in find_stragglers(times, threshold)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

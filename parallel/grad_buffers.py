@@ -40,7 +40,7 @@ from parallel.mixed_precision import attach_main_grad
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name where there is one
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Bucket:
         the bytes sent."""
         if not self.shard or self.group.size == 1:
             return {}
-        _all_gather(self.data, self.data[self.owned.start:self.owned.stop], group=self.group.group)
+        all_gather_flat(self.data, self.data[self.owned.start:self.owned.stop], group=self.group.group)
         return self._sent("all_gather", self.data)
 
     def counts_in_norm(self) -> bool:

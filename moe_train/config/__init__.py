@@ -258,7 +258,14 @@ class LoggingConfig:
         profile_steps: [first, last]: steps (as the log counts them) traced with torch.profiler into
             <dir>/profile/rank<r>_steps<first>-<last>.json (a Chrome trace; TensorBoard's profiler
             reads it); none: no trace
-        profile_ranks: the ranks that trace profile_steps
+        profile_ranks: the ranks that trace profile_steps and write memory_snapshot
+        straggler_threshold: with several processes, at every log the ranks all-gather their step and compute
+            times (2 floats each; hosts once at start-up), metrics.jsonl gets ranks/<r>/step_s and
+            ranks/<r>/compute_s, and the log names a pipeline stage's slowest rank and its host when its
+            compute time is more than this fraction above the stage's median (moe_train.straggler); null: none
+        memory_snapshot: CUDA only (refused elsewhere): record the caching allocator's history from start-up
+            and write it after the first step, so that step's peak is in it, to
+            <dir>/memory_snapshot/rank<r>_step<n>.pickle on the profile_ranks (pytorch.org/memory_viz)
     """
 
     dir: str = "runs/default"
@@ -268,6 +275,8 @@ class LoggingConfig:
     wandb_mode: str = "offline"
     profile_steps: Optional[list[int]] = None
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    straggler_threshold: Optional[float] = 0.2
+    memory_snapshot: bool = False
 
 
 @dataclass
@@ -469,6 +478,7 @@ INTERVALS: dict[str, dict[str, Interval]] = {
         "demo_max_bytes": Interval(low=1, optional=True),
     },
     "checkpoint": {"interval": COUNT, "keep": POSITIVE_COUNT},  # interval 0: only at the end
+    "logging": {"straggler_threshold": Interval(low=0, low_open=True, optional=True)},  # null: no report
 }
 
 

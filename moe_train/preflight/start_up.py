@@ -11,6 +11,7 @@ from moe_train.checkpoint.dcp import CheckpointError, resolve_resume
 from moe_train.config import NATIVE_ALTERNATIVES, Config, ConfigError
 from moe_train.data.blend import parse_blend
 from moe_train.data.indexed_dataset import bin_path, idx_path
+from moe_train.memory_snapshot import memory_snapshot_problem
 from moe_train.metrics import wandb_module
 from moe_train.preflight.layout import batch_problems
 from moe_train.preflight.memory_limits import available_memory
@@ -116,8 +117,8 @@ def input_problems(config: Config) -> list[tuple[str, str]]:
 def refuse_at_start_up(config: Config, topology: Topology | None, processes_here: int) -> None:
     """What this machine refuses of `config` before anything is allocated or written, as a ConfigError:
     a wandb project without the package, more `train.threads` than CPUs (torch crashes on thousands),
-    `train.device=cuda` without CUDA, a dispatcher that cannot run, inputs that are not there (input_problems),
-    and a model or batch that cannot fit the memory one of `processes_here` local processes may use
+    `train.device=cuda` without CUDA, `logging.memory_snapshot` off CUDA, a dispatcher that cannot run, inputs
+    that are not there (input_problems), and a model or batch that cannot fit the memory one of `processes_here` local processes may use
     (moe_train.preflight.memory_limits). The launcher runs the same checks once, before it starts any process
     (moe_train.preflight.launch_info); a process group is not needed, only the layout."""
     if config.logging.wandb_project is not None and wandb_module() is None:
@@ -130,6 +131,9 @@ def refuse_at_start_up(config: Config, topology: Topology | None, processes_here
     if config.train.threads is not None and config.train.threads > cpus:
         raise ConfigError([("train.threads", f"{config.train.threads} exceeds the {cpus} CPUs this process may use")])
     device = select_device(config.train)
+    snapshot_problem = memory_snapshot_problem(device.type) if config.logging.memory_snapshot else None
+    if snapshot_problem is not None:
+        raise ConfigError([("logging.memory_snapshot", snapshot_problem)])
     choose_dispatcher(config, topology)
     world = topology.world_size if topology is not None else 1
     problems = start_up_memory_problems(config, world, available_memory(device, processes_here), f"{device.type} memory")

@@ -15,6 +15,7 @@ current (compute) stream wait on it, so no host synchronisation is needed.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
@@ -52,18 +53,28 @@ class StreamHandle(WorkHandle):
 
 
 class OverlapSwitch:
-    """Where the two chunks of an overlapped pair pass the baton; outside a pair, `complete` waits."""
+    """Where the two chunks of an overlapped pair pass the baton; outside a pair, `complete` waits.
+
+    `waited_s` adds up the host time blocked in `wait` (the straggler report's compute time leaves it out,
+    moe_train.straggler); on CUDA a wait only orders the streams, so it is about 0 there."""
 
     def __init__(self) -> None:
         self._to: Optional[Callable[[CommHandle], None]] = None
         self._streams: Optional[dict[torch.device, Any]] = None
+        self.waited_s = 0.0
 
     def complete(self, handle: CommHandle) -> None:
         """The caller needs `handle`'s result now: wait, or let an overlapped chunk compute meanwhile."""
         if self._to is None:
-            handle.wait()
+            self.wait(handle)
         else:
             self._to(handle)
+
+    def wait(self, handle: CommHandle) -> None:
+        """Wait on `handle`, counting the time in `waited_s`."""
+        start = time.perf_counter()
+        handle.wait()
+        self.waited_s += time.perf_counter() - start
 
     @contextlib.contextmanager
     def switching(self, to: Callable[[CommHandle], None], comm_streams: bool = False) -> Iterator[None]:

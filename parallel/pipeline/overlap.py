@@ -129,7 +129,7 @@ class FBOverlap:
         assert chunk is not None
         self.stats.collectives += 1
         if all(other.done for other in self._chunks if other is not chunk):
-            handle.wait()
+            self.switch.wait(handle)
             return
         self.stats.hidden += 1
         chunk.turn.clear()
@@ -138,4 +138,4 @@ class FBOverlap:
         chunk.turn.clear()
         if chunk.aborted:
             raise OverlapAborted(f"the other chunk of this {chunk.name} chunk's pair failed")
-        handle.wait()
+        self.switch.wait(handle)

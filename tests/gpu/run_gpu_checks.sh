@@ -37,9 +37,10 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 # Most telling first: the bf16 training step (no kernels_cuda needed; again with selective recompute), the FP8
 # GEMMs against bf16 at DeepSeek-V3's shapes and the fp8 training step (train.precision=fp8), then the kernels on the GPU
 # (the CUDA runs of tests/kernels, which CI runs on the CPU emulation), then the per-process buffers,
-# then the benchmarks. Limits sum to 640 s (expected total about 6 min: the device code compiles in
-# seconds, the host sources with torch's headers take most of the build, which took 50-60 s on 2 cores
-# without a GPU, see docs/cuda_build_without_gpu.md); compile_check is left to CI.
+# then logging.memory_snapshot's CUDA run (a 2-step tiny run, about 15 s), then the benchmarks. Limits sum to
+# 680 s (expected total about 6 min: the device code compiles in seconds, the host sources with torch's headers
+# take most of the build, which took 50-60 s on 2 cores without a GPU, see docs/cuda_build_without_gpu.md);
+# compile_check is left to CI.
 step environment 15 bash -c 'nvidia-smi; nvidia-smi --query-gpu=compute_mode --format=csv; nvcc --version; "$0" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; git rev-parse HEAD 2>/dev/null || echo "(no git checkout)"; git status --short 2>/dev/null | head -20' "$PYTHON"
 step train_bf16 75 "$PYTHON" -m tests.gpu.bench_training
 step train_recompute 50 "$PYTHON" -m tests.gpu.bench_training --steps 2 --set "model.recompute_modules=[layernorm,mla_up_proj,moe_act]"
@@ -48,8 +49,9 @@ step train_fp8 60 "$PYTHON" -m tests.gpu.bench_training --steps 2 --set train.pr
 step build 100 "$PYTHON" -m kernels_cuda.build
 step import 10 "$PYTHON" -c "import kernels_cuda; print(kernels_cuda.build_status()); assert kernels_cuda.is_built()"
 step tests_kernels 90 "${PYTEST[@]}" tests/kernels -k cuda
-step tests_gpu 70 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_buffer_processes.py
+step tests_gpu 70 "${PYTEST[@]}" tests/gpu --ignore=tests/gpu/test_buffer_processes.py --ignore=tests/gpu/test_memory_snapshot.py
 step tests_processes 60 "${PYTEST[@]}" tests/gpu/test_buffer_processes.py
+step memory_snapshot 40 "${PYTEST[@]}" -s tests/gpu/test_memory_snapshot.py
 step bench 20 "$PYTHON" -m tests.gpu.bench_emulated
 step bench_internode 20 "$PYTHON" -m tests.gpu.bench_internode
 step bench_overlap 20 "$PYTHON" -m tests.gpu.bench_overlap
@@ -64,7 +66,7 @@ step bench_low_latency 20 "$PYTHON" benchmarks/low_latency_kernels.py --device c
     echo "| step | rc | time |"
     echo "|---|---|---|"
     printf '%s' "$ROWS"
-    for name in train_bf16 train_recompute fp8_gemm train_fp8 tests_kernels tests_gpu tests_processes bench bench_internode bench_overlap bench_low_latency; do
+    for name in train_bf16 train_recompute fp8_gemm train_fp8 tests_kernels tests_gpu tests_processes memory_snapshot bench bench_internode bench_overlap bench_low_latency; do
         echo
         echo "## $name"
         echo '```'

@@ -56,6 +56,7 @@ def test_tiny_trains_logs_every_figure_and_checkpoints(tmp_path, cache_dir, caps
                 "expert_load_max_over_mean"):
         assert all(isinstance(r[key], float) for r in logged), key
     assert "valid_loss" in logged[1] and "valid_loss" in logged[3]
+    assert not any(key.startswith("ranks/") for r in logged for key in r)  # one process: no straggler exchange
     assert logged[-1]["loss"] < logged[0]["loss"]
     # peak resident memory (this process's, since it started): it never falls, and it is at least what
     # the process holds now
@@ -66,6 +67,7 @@ def test_tiny_trains_logs_every_figure_and_checkpoints(tmp_path, cache_dir, caps
     assert load_config(run / "config.yaml").train.steps == 6
     out = capsys.readouterr().out
     assert "step 6/6" in out and "tok/s" in out and "ETA" in out and f"rss {peaks[-1]:.2f} GiB" in out
+    assert "straggler" not in out
 
 
 def current_rss_gib() -> float:
