@@ -497,7 +497,7 @@ class Trainer:
                 step_times += [elapsed / len(records)] * len(records)
                 step_samples += [record["global_batch_size"] for record in records]
                 if log:
-                    tokens = sum(step_samples[-len(records):]) * cfg.train.seq_length
+                    tokens = sum(record["global_batch_size"] for record in records) * cfg.train.seq_length
                     self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, step_samples, evaluate)
                 if save or stop:
                     path = self.save(wait=stop)

@@ -14,6 +14,7 @@ import moe_train.train
 from moe_train.checkpoint.dcp import iteration_dir
 from moe_train.config import load_config
 from moe_train.optim import set_learning_rate
+from moe_train.moe_metrics import MOE_LAYERS
 from moe_train.train import Trainer, main, read_metrics
 from tests.unit.test_batch_ramp import megatron_batch
 from tests.unit.test_train import TINY, cache_dir, overrides, records  # noqa: F401 - cache_dir is a fixture
@@ -55,13 +56,15 @@ def hand_lr(consumed: int, size: int) -> float:
 def hand_driven(run_dir, cache_dir, steps: list[tuple[int, int]]) -> list[dict]:
     """A trainer without a ramp, driven by hand: step (c, b) takes samples [c, c + b) as b / 2 micro-batches,
     the mean of their losses (each micro-batch's loss / count backward) with the MTP weight of c, the learning
-    rate of hand_lr, then the trainer's clipping, AdamW and bias update at its data position set to c."""
-    trainer = Trainer(load_config(TINY, overrides(run_dir, cache_dir, *COMMON)[1::2]))
+    rate of hand_lr, then the trainer's clipping, AdamW and bias update, at the bias rate of c (the trainer's
+    own switch unset)."""
+    config = load_config(TINY, overrides(run_dir, cache_dir, *COMMON, "optim.bias_update_switch_step=null")[1::2])
+    trainer = Trainer(config)
     assert trainer.ramp.samples == 0
     print(f"seed {trainer.cfg.train.seed}")
     results = []
     for consumed, size in steps:
-        trainer.sampler.consumed_samples = consumed  # where the bias rate switches
+        trainer.cfg.model.moe_router_bias_update_rate = 0.0 if consumed >= 8 else 1e-3
         mtp_weight = 0.1 if consumed >= 8 else 0.3
         lr = hand_lr(consumed, size)
         set_learning_rate(trainer.optimizer, lr)
@@ -74,14 +77,17 @@ def hand_driven(run_dir, cache_dir, steps: list[tuple[int, int]]) -> list[dict]:
             loss = loss + out.loss.detach().double() * (1.0 / count)
         trainer.grads.finish()
         update = read_metrics([trainer.apply_update()])[0]
+        spreads = {k: v for k, v in trainer.moe_metrics.record(update[MOE_LAYERS]).items() if k.endswith("bias_spread")}
         results.append({"loss": loss.item(), "lr": lr, "grad_norm": update["grad_norm"],
-                        "global_batch_size": size, "consumed_samples": consumed + size})
+                        "global_batch_size": size, "consumed_samples": consumed + size, **spreads})
     return results
 
 
 def logged(run_dir, first_step: int = 1) -> list[dict]:
+    """Each record's figures that hand_driven gives (the router biases' spread of every MoE layer included)."""
     keys = ("loss", "lr", "grad_norm", "global_batch_size", "consumed_samples")
-    return [{k: r[k] for k in keys} for r in records(run_dir) if r["step"] >= first_step]
+    return [{k: v for k, v in r.items() if k in keys or k.endswith("bias_spread")}
+            for r in records(run_dir) if r["step"] >= first_step]
 
 
 @pytest.fixture(scope="module")
