@@ -114,7 +114,8 @@ class TrainConfig:
             samples samples are consumed, then stays at global_batch_size; the micro-batch size is fixed,
             the micro-batches per step grow. train.steps and every optim.*_steps key then count
             global_batch_size samples per step: the run trains steps x global_batch_size samples (in more,
-            smaller steps) and the schedules follow consumed samples (null: no ramp)
+            smaller steps) and the schedules follow consumed samples. Costs a pipeline bubble per extra step
+            and one lowered pipeline schedule per micro-batch count (null: no ramp)
         micro_batch_size: samples per forward/backward on one rank
         seq_length: tokens per sample
         log_interval: steps between console lines and metrics.jsonl records
