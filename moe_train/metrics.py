@@ -43,6 +43,8 @@ def console_line(m: dict[str, Any], total_steps: int) -> str:
              f"loss {m['loss']:.4f} (lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f} aux {m['aux_loss']:.2e})",
              f"lr {m['lr']:.2e}", f"grad {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s",
              f"load max/mean {m['expert_load_max_over_mean']:.2f}"]
+    if "global_batch_size" in m:  # the step's batch (train.rampup_batch_size) and the samples consumed after it
+        parts.insert(1, f"batch {m['global_batch_size']:,} ({m['consumed_samples']:,} samples)")
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if "mem_allocated_peak_gib" in m:

@@ -1,9 +1,12 @@
 """The training loop: `python -m moe_train.train --config FILE [--set section.key=value ...]`.
 
 One process, or data x expert parallel, or pipeline parallel on top (pp > 1: every step runs
-through `parallel.pipeline`'s runtime with the configured schedule). In every layout losses are
-averaged over the global batch, the data order depends only on the seed, and the router bias
-update uses expert loads of the whole global batch.
+through `parallel.pipeline`'s runtime with the configured schedule, built for the step's number of
+micro-batches). In every layout losses are averaged over the step's global batch, the data order depends
+only on the seed, and the router bias update uses expert loads of the whole global batch. A step's global
+batch follows the samples consumed before it (`train.rampup_batch_size`, moe_train.batch_ramp), and so do
+the learning rate and the other schedules; training ends when `train.steps` x `train.global_batch_size`
+samples are consumed.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from model.flops import training_flops_per_token
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
+from moe_train.batch_ramp import batch_ramp
 from moe_train.checkpoint.dcp import (BackgroundSaves, CheckpointError, holds_ema, is_hf_folder, iteration_dir,
                                       latest_iteration, load_checkpoint, read_metadata, resolve_resume,
                                       save_checkpoint, saved_moment_dtypes)
@@ -51,7 +55,8 @@ from parallel.data_parallel import GradientSync, build_buffers
 from parallel.dispatch import DispatcherUnavailable, OverlapSwitch, make_dispatcher
 from parallel.failures import collective_failure
 from parallel.mixed_precision import PARAM_DTYPES, accumulate_weight_grad, release_grads
-from parallel.pipeline.timeline import simulate
+from parallel.pipeline.ir import LoweredSchedule
+from parallel.pipeline.timeline import Costs, simulate
 from parallel.pipeline.model_pipeline import ModelPipeline
 from parallel.sharded_state import piece_state
 from parallel.topology import Topology, routing_statement
@@ -99,6 +104,8 @@ class Trainer:
         self.device = select_device(config.train)
         self.run_dir = Path(config.logging.dir)
         self.memory_snapshot = self._start_memory_snapshot()  # before the model is built: its history from here
+        self.ramp = batch_ramp(config.train)
+        self.end_samples = config.train.steps * config.train.global_batch_size  # train.steps counts final batches
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         self.train_data, self.valid_data = self._build_data()
         switch = OverlapSwitch()  # the overlapped pairs pass the baton where the dispatcher's collectives complete
@@ -109,8 +116,11 @@ class Trainer:
         self.pipeline: ModelPipeline | None = None
         fp8 = config.train.precision == "fp8"  # FP8 weight GEMMs (model.fp8) over bf16 parameters
         self.zb_meter: ZbCostMeter | None = None
+        self.zb_costs: Costs | None = None  # zb-auto's measured costs, once measured
+        self.schedules: dict[int, LoweredSchedule] = {}  # by a step's global batch, lowered on first use
         if topology is not None and topology.pp > 1:
             lowered, specs = plan_pipeline(config, topology.dp)
+            self.schedules[config.train.global_batch_size] = lowered
             self.pipeline = ModelPipeline(config.model, topology, lowered, specs, config.train.micro_batch_size,
                                           config.train.seq_length, dispatcher, config.parallel.timeout_s,
                                           overlap=switch if config.parallel.overlap else None, fp8=fp8)
@@ -143,7 +153,8 @@ class Trainer:
         log = config.logging
         wandb = None if log.wandb_project is None else {
             "project": log.wandb_project, "mode": log.wandb_mode, "name": self.run_dir.name, "config": to_dict(config)}
-        self.logger = MetricsLogger(self.run_dir, config.train.steps, enabled=self.is_logger,
+        self.total_steps = self.step + self.ramp.walk(self.sampler.consumed_samples, self.end_samples)[0]
+        self.logger = MetricsLogger(self.run_dir, self.total_steps, enabled=self.is_logger,
                                     tensorboard=log.tensorboard, resume_step=self.step, wandb=wandb)
         self.profiler = StepProfiler(log.profile_steps, log.profile_ranks, 0 if topology is None else topology.rank,
                                      self.run_dir, self.device)
@@ -184,7 +195,7 @@ class Trainer:
         for part in train.parts + (valid.parts if valid is not None else []):
             check_vocab(part.dataset, self.cfg.model.vocab_size)
         if self.is_logger:
-            lines = describe_draws(train, t.steps * t.global_batch_size, "train")
+            lines = describe_draws(train, self.ramp.walk(0, self.end_samples)[1], "train")
             if valid is not None and t.eval_interval:
                 lines += describe_draws(valid, t.eval_iters * t.micro_batch_size, "valid")
             print("\n".join(lines), flush=True)
@@ -319,6 +330,9 @@ class Trainer:
                                    mtp_scale: float) -> dict[str, torch.Tensor]:
         """The same through the pipeline runtime; loss parts come from the stages that compute them."""
         assert self.pipeline is not None and self.topology is not None
+        lowered = self._schedule(self.batch_size())
+        if lowered is not self.pipeline.lowered:
+            self.pipeline.switch_schedule(lowered)
         scale = 1.0 / len(micro_batches)
         batches = [self._inputs(rows) for rows in micro_batches]
         with self.compute_clock.phase(busy_s=lambda: self.pipeline.runtime.compute_s):  # its compute actions
@@ -332,15 +346,25 @@ class Trainer:
         return {"loss": lm_loss + mtp_scale * mtp_loss + aux_loss, "lm_loss": lm_loss, "mtp_loss": mtp_loss,
                 "aux_loss": aux_loss}
 
+    def _schedule(self, global_batch: int) -> LoweredSchedule:
+        """The pipeline schedule of a step of `global_batch` samples (its micro-batch count), lowered once."""
+        assert self.topology is not None
+        if global_batch not in self.schedules:
+            self.schedules[global_batch] = plan_pipeline(self.cfg, self.topology.dp, self.zb_costs, global_batch)[0]
+        return self.schedules[global_batch]
+
     def _measure_zb_costs(self, meter: ZbCostMeter) -> None:
-        """After a warm-up step: its times; after the last, zb-auto's schedule from the slowest rank's costs."""
+        """After a warm-up step: its times; after the last, zb-auto's schedules from the slowest rank's costs
+        (this step's micro-batch count's now, each other count's when a step first uses it)."""
         assert self.pipeline is not None and self.pipeline.runtime is not None and self.topology is not None
         meter.record(self.pipeline.runtime)
         if not meter.done:
             return
         self.zb_meter = None
         measured = meter.measured(self.device)
-        lowered, _ = plan_pipeline(self.cfg, self.topology.dp, measured.costs)
+        self.zb_costs = measured.costs
+        self.schedules.clear()
+        lowered = self._schedule(self.batch_size())
         warmup, chosen = (simulate(s, measured.costs) for s in (self.pipeline.lowered.schedule, lowered.schedule))
         self.pipeline.switch_schedule(lowered)
         f, b, w = (1e3 * t for t in measured.seconds)
@@ -367,19 +391,34 @@ class Trainer:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         return table
 
+    def batch_size(self) -> int:
+        """The global batch of the step about to run: train.rampup_batch_size at the samples consumed so far."""
+        return self.ramp.batch_size(self.sampler.consumed_samples)
+
+    def progress(self) -> float:
+        """Where the step about to run stands in the schedules (moe_train.schedules): the samples consumed
+        before it over train.global_batch_size, its 0-based index at a constant batch."""
+        return self.sampler.consumed_samples / self.cfg.train.global_batch_size
+
+    def has_next_step(self) -> bool:
+        """Whether the next step's whole batch fits in the samples to train (train.steps x global batch)."""
+        return self.sampler.consumed_samples + self.batch_size() <= self.end_samples
+
     def compute_gradients(self) -> dict[str, torch.Tensor]:
-        """Forward and backward of the next global batch, gradients reduced over data parallelism
+        """Forward and backward of the next global batch (batch_size), gradients reduced over data parallelism
         (by the pipeline as their gradients become final, else here afterwards). The weights are fixed
-        meanwhile, so FP8 GEMMs quantize each once for every micro-batch (model.fp8)."""
+        meanwhile, so FP8 GEMMs quantize each once for every micro-batch (model.fp8). The batch counts as
+        consumed once apply_update has stepped."""
         with self.model.gemms.weights_fixed():
-            losses = self._forward_backward(self.sampler.next_batch(),
-                                            mtp_loss_scale(self.step, self.cfg.optim, self.cfg.model))
+            losses = self._forward_backward(self.sampler.microbatches(self.batch_size()),
+                                            mtp_loss_scale(self.progress(), self.cfg.optim, self.cfg.model))
         if self.pipeline is None:
             self.grads.finish()
         return losses
 
     def apply_update(self) -> dict[str, torch.Tensor]:
-        """Clip, optimizer step, EMA update (moe_train.ema), router-bias update; advances the step counter.
+        """Clip, optimizer step, EMA update (moe_train.ema), router-bias update; advances the step counter
+        and the consumed samples past the step's batch.
 
         A step whose global gradient norm is not finite is skipped on the device (every rank sees the
         same norm): the fused AdamW gets it as `found_inf` and leaves weights, moments and step
@@ -393,8 +432,9 @@ class Trainer:
         if self.ema is not None:
             self.ema.update()
         release_grads(self.model.parameters())
-        table = self._update_router_biases(bias_update_rate(self.step, cfg.optim, cfg.model), 1.0 - skipped)
+        table = self._update_router_biases(bias_update_rate(self.progress(), cfg.optim, cfg.model), 1.0 - skipped)
         load_ratio = table[:, 0].max() if len(table) else torch.ones((), device=self.device)
+        self.sampler.advance(self.batch_size())
         self.step += 1
         return {"grad_norm": grad_norm, "expert_load_max_over_mean": load_ratio, "skipped": skipped,
                 MOE_LAYERS: table}
@@ -403,11 +443,12 @@ class Trainer:
         """One optimizer step. Its metrics stay on the device (`read_metrics` brings them to the host),
         so a step makes no host sync beyond the MoE layers' all-to-all split sizes."""
         cfg = self.cfg
-        lr = learning_rate(self.step, cfg.optim, cfg.train.steps)
+        batch = self.batch_size()
+        lr = learning_rate(self.progress(), cfg.optim, cfg.train.steps, batch / cfg.train.global_batch_size)
         set_learning_rate(self.optimizer, lr)
         losses = self.compute_gradients()
         update = self.apply_update()
-        return {"step": self.step, **losses, "lr": lr, **update}
+        return {"step": self.step, **losses, "lr": lr, "global_batch_size": batch, **update}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -436,22 +477,26 @@ class Trainer:
         return total.item() / iters
 
     def train(self) -> int:
-        """Train to `train.steps`, or to the step after which the ranks agree to stop (`moe_train.launch.stop`):
-        either way every rank saves the same step. Returns the exit status."""
+        """Train `train.steps` x `train.global_batch_size` samples (`train.steps` steps without a batch ramp), or
+        to the step after which the ranks agree to stop (`moe_train.launch.stop`): either way every rank saves
+        the same step. Returns the exit status."""
         cfg = self.cfg
         self.model.train()
-        self.logger.info(f"training {cfg.train.steps} steps from step {self.step} on {self.device} "
-                         f"({cfg.train.precision}); logs in {self.run_dir}")
+        ramp = self.ramp.describe()
+        self.logger.info(f"training {self.total_steps} steps from step {self.step} on {self.device} "
+                         f"({cfg.train.precision}); logs in {self.run_dir}"
+                         + (f"; {ramp}, {self.end_samples:,} samples in all" if ramp else ""))
         exchange = self.grads.buffers.bytes_per_step()
         if exchange:
             sent = ", ".join(f"{kind.replace('_', '-')} {size / 2 ** 20:.2f} MiB" for kind, size in exchange.items())
             self.logger.info(f"data-parallel exchange: {len(self.grads.buffers.buckets)} buckets; rank 0 sends {sent} "
                              f"per step ({sum(exchange.values()) / 2 ** 20:.2f} MiB)")
         step_times: list[float] = []
+        step_samples: list[int] = []
         pending: list[dict[str, torch.Tensor | float]] = []
         start = time.perf_counter()
         try:
-            while self.step < cfg.train.steps:
+            while self.has_next_step():
                 with self.profiler.step(self.step + 1):
                     pending.append(self.train_step())
                 if self.memory_snapshot is not None and (written := self.memory_snapshot.after_step(self.step)):
@@ -463,7 +508,7 @@ class Trainer:
                 stop = votes > 0
                 evaluate = bool(cfg.train.eval_interval and self.valid_data is not None
                                 and self.step % cfg.train.eval_interval == 0)
-                log = evaluate or self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps
+                log = evaluate or self.step % cfg.train.log_interval == 0 or not self.has_next_step()
                 save = bool(cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)
                 if not (log or save or stop):
                     continue  # the metrics stay on the device until the next log, checkpoint or stop
@@ -472,9 +517,10 @@ class Trainer:
                 self._count_skips(records)
                 elapsed = time.perf_counter() - start
                 step_times += [elapsed / len(records)] * len(records)
+                step_samples += [record["global_batch_size"] for record in records]
                 if log:
-                    tokens = cfg.train.global_batch_size * cfg.train.seq_length * len(records)
-                    self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, evaluate)
+                    tokens = sum(record["global_batch_size"] for record in records) * cfg.train.seq_length
+                    self._log({**records[-1], "tokens_per_s": tokens / elapsed}, step_times, step_samples, evaluate)
                 if save or stop:
                     path = self.save(wait=stop)
                 start = time.perf_counter()
@@ -524,15 +570,16 @@ class Trainer:
             self.logger.info(f"{why}: step skipped, no update ({self.consecutive_skips} in a row, "
                              f"train.max_skipped_steps={limit})")
 
-    def _log(self, metrics: dict[str, Any], step_times: list[float], evaluate: bool) -> None:
+    def _log(self, metrics: dict[str, Any], step_times: list[float], step_samples: list[int], evaluate: bool) -> None:
         """Log one step's record; tokens/s are those of the steps since the previous read-back,
-        `skipped_steps` the steps skipped since the previous record (Megatron's skipped iterations)."""
+        `skipped_steps` the steps skipped since the previous record (Megatron's skipped iterations), the ETA
+        the samples left at the last 20 steps' samples per second."""
         cfg = self.cfg
-        recent = step_times[-20:]
+        left = self.end_samples - self.sampler.consumed_samples
         record = {k: v for k, v in metrics.items() if k != MOE_LAYERS}
         record.update(self.moe_metrics.record(metrics[MOE_LAYERS]))
         record.update({"consumed_samples": self.sampler.consumed_samples, "skipped_steps": self.skipped_since_log,
-                       "eta_s": (cfg.train.steps - self.step) * sum(recent) / len(recent)})
+                       "eta_s": left * sum(step_times[-20:]) / sum(step_samples[-20:])})
         self.skipped_since_log = 0
         if self.device.type == "cuda":
             record["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (cfg.train.peak_tflops * 1e12)

@@ -109,6 +109,13 @@ class TrainConfig:
         steps: optimizer steps to train
         seed: seed of the weights' initialisation and of the data order
         global_batch_size: samples per optimizer step, over all data-parallel ranks
+        rampup_batch_size: [start, increment, samples], Megatron's --rampup-batch-size: the global batch
+            starts at start samples and grows by increment at evenly spaced consumed-sample points until
+            samples samples are consumed, then stays at global_batch_size; the micro-batch size is fixed,
+            the micro-batches per step grow. train.steps and every optim.*_steps key then count
+            global_batch_size samples per step: the run trains steps x global_batch_size samples (in more,
+            smaller steps) and the schedules follow consumed samples. Costs a pipeline bubble per extra step
+            and one lowered pipeline schedule per micro-batch count (null: no ramp)
         micro_batch_size: samples per forward/backward on one rank
         seq_length: tokens per sample
         log_interval: steps between console lines and metrics.jsonl records
@@ -129,6 +136,7 @@ class TrainConfig:
     steps: int = 100
     seed: int = 1234
     global_batch_size: int = 8
+    rampup_batch_size: Optional[list[int]] = None
     micro_batch_size: int = 4
     seq_length: int = 64
     log_interval: int = 1
@@ -145,6 +153,9 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     """AdamW, gradient clipping and the schedules of the learning rate, router bias rate and MTP weight.
+
+    With train.rampup_batch_size the schedules follow consumed samples: each *_steps key counts
+    train.global_batch_size samples per step (moe_train.schedules).
 
     Attributes:
         lr: peak learning rate
@@ -511,6 +522,7 @@ def validate(config: Config) -> list[tuple[str, str]]:
     if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
         problems.append(("train.global_batch_size",
                          f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"))
+    problems.extend(_ramp_problems(t))
     if t.seq_length > config.model.max_position_embeddings:
         problems.append(("train.seq_length",
                          f"{t.seq_length} exceeds model.max_position_embeddings={config.model.max_position_embeddings}"))
@@ -567,6 +579,25 @@ def validate(config: Config) -> list[tuple[str, str]]:
     if any(rank < 0 for rank in config.logging.profile_ranks):
         problems.append(("logging.profile_ranks", f"ranks are >= 0, got {config.logging.profile_ranks}"))
     return problems
+
+
+def _ramp_problems(t: TrainConfig) -> list[tuple[str, str]]:
+    """train.rampup_batch_size against itself and train.global_batch_size (its split over micro-batches and
+    data-parallel ranks is checked at start-up: moe_train.preflight.layout)."""
+    ramp = t.rampup_batch_size
+    if ramp is None:
+        return []
+    key = "train.rampup_batch_size"
+    if len(ramp) != 3 or min(ramp) < 1:
+        return [(key, f"must be [start, increment, samples], three integers >= 1, got {ramp}")]
+    start, increment, _ = ramp
+    if start >= t.global_batch_size:
+        return [(key, f"start {start} must be below train.global_batch_size={t.global_batch_size}, "
+                      "the batch the ramp grows to")]
+    if (t.global_batch_size - start) % increment:
+        return [(key, f"train.global_batch_size - start = {t.global_batch_size - start} is not a multiple of "
+                      f"increment {increment}")]
+    return []
 
 
 def _data_problems(data: DataConfig) -> list[tuple[str, str]]:

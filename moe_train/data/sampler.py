@@ -61,7 +61,10 @@ def microbatch_start(
 
 
 class BatchSampler:
-    """This rank's micro-batches of each global batch, and the position to checkpoint."""
+    """This rank's micro-batches of each global batch, and the position to checkpoint.
+
+    A step's global batch is `global_batch_size` unless the caller gives its own (a batch ramp,
+    moe_train.batch_ramp); any multiple of micro_batch_size x dp_size is split as above."""
 
     def __init__(
         self,
@@ -71,35 +74,42 @@ class BatchSampler:
         dp_size: int = 1,
         dp_rank: int = 0,
     ) -> None:
-        if micro_batch_size < 1 or dp_size < 1 or global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(
-                f"global_batch_size {global_batch_size} must be a positive multiple of "
-                f"micro_batch_size {micro_batch_size} x dp_size {dp_size}"
-            )
+        if micro_batch_size < 1 or dp_size < 1:
+            raise ValueError(f"micro_batch_size {micro_batch_size} and dp_size {dp_size} must be >= 1")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.samples = samples
-        self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_size = dp_size
         self.dp_rank = dp_rank
-        self.num_microbatches = global_batch_size // (micro_batch_size * dp_size)
+        self.global_batch_size = self._checked(global_batch_size)
         self.consumed_samples = 0
 
-    def microbatch(self, micro_index: int) -> torch.Tensor:
-        """Rows ``(micro_batch_size, seq_length + 1)`` of micro-batch ``micro_index`` of the next
-        global batch; does not advance."""
-        if not 0 <= micro_index < self.num_microbatches:
-            raise IndexError(f"micro_index {micro_index} out of range ({self.num_microbatches} micro-batches)")
-        start = microbatch_start(
-            self.consumed_samples, self.micro_batch_size, self.dp_size, self.dp_rank, micro_index
-        )
-        return self.samples.rows(start, self.micro_batch_size)
+    def _checked(self, global_batch_size: int | None) -> int:
+        size = self.global_batch_size if global_batch_size is None else global_batch_size
+        if size < 1 or size % (self.micro_batch_size * self.dp_size):
+            raise ValueError(
+                f"global_batch_size {size} must be a positive multiple of "
+                f"micro_batch_size {self.micro_batch_size} x dp_size {self.dp_size}"
+            )
+        return size
 
-    def next_batch(self) -> list[torch.Tensor]:
+    def microbatches(self, global_batch_size: int | None = None) -> list[torch.Tensor]:
+        """This rank's micro-batches, rows ``(micro_batch_size, seq_length + 1)`` each, of the next global
+        batch of ``global_batch_size`` samples (default: the sampler's); does not advance."""
+        count = self._checked(global_batch_size) // (self.micro_batch_size * self.dp_size)
+        return [self.samples.rows(microbatch_start(self.consumed_samples, self.micro_batch_size, self.dp_size,
+                                                   self.dp_rank, i), self.micro_batch_size)
+                for i in range(count)]
+
+    def advance(self, global_batch_size: int | None = None) -> None:
+        """Count the next global batch (default size: the sampler's) as consumed."""
+        self.consumed_samples += self._checked(global_batch_size)
+
+    def next_batch(self, global_batch_size: int | None = None) -> list[torch.Tensor]:
         """All of this rank's micro-batches of the next global batch, then advance past it."""
-        batch = [self.microbatch(i) for i in range(self.num_microbatches)]
-        self.consumed_samples += self.global_batch_size
+        batch = self.microbatches(global_batch_size)
+        self.advance(global_batch_size)
         return batch
 
     def state_dict(self) -> dict[str, Any]:

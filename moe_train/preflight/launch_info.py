@@ -17,13 +17,14 @@ from moe_train.preflight.layout import layout_errors
 
 
 def pipeline_errors(config: Config, nodes: int, nproc: int) -> list[tuple[str, str]]:
-    """With pp > 1: the problems of the schedule and stage cut the trainer would build on this layout."""
-    from moe_train.preflight.pipeline import plan_pipeline  # (torch and the model: only when there is a pipeline)
+    """With pp > 1: the problems of the schedules (every step's, under a batch ramp) and stage cut the
+    trainer would build on this layout."""
+    from moe_train.preflight.pipeline import check_pipeline  # (torch and the model: only when there is a pipeline)
 
     if config.parallel.pp == 1:
         return []
     try:
-        plan_pipeline(config, nodes * nproc // config.parallel.pp)
+        check_pipeline(config, nodes * nproc // config.parallel.pp)
     except ConfigError as err:
         return err.problems
     return []

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 from model.args import FULL_RECOMPUTE
 from model.flops import count_parameters
+from moe_train.batch_ramp import batch_ramp
 from moe_train.config import Config, ConfigError, load_config
 from moe_train.preflight.layout import layout_errors
 from moe_train.preflight.memory_limits import MemoryLimit
-from moe_train.preflight.pipeline import choose_schedule
+from moe_train.preflight.pipeline import choose_schedule, ramp_schedules
 from moe_train.preflight.plan_stages import (RankParameters, Stage, bf16_parameters, build_stages,
                                              fp8_weight_copy_bytes, layer_memory, rank_parameters,
                                              stage_activation_bytes)
@@ -204,12 +205,17 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
     world = nodes * gpus_per_node
     dp = world // p.pp
     schedule = _schedule(config, dp)
+    # the batch ramp's smaller steps: memory is planned at the largest peak over them and the final batch
+    # (a schedule's peak need not grow with its micro-batches: zb-interleaved's does not)
+    ramp = ramp_schedules(config, dp, warm_up=False) if p.pp > 1 else []
     try:
         stages = build_stages(a, schedule.num_stages, p.pipeline_layout, p.first_stage_layers, p.last_stage_layers)
     except ValueError as err:
         raise ConfigError([("parallel.pipeline_layout" if p.pipeline_layout else "parallel.pp", str(err))]) from None
     timeline = simulate(schedule)
     per_stage = {s.index: _stage_activation_bytes(config, s) for s in stages}
+    mem_b = timeline.costs.mem_b
+    units = {s.index: (1.0, 0.0) for s in stages}  # one stage-micro-batch each: the walk counts the peak in units
     tokens = t.micro_batch_size * t.seq_length
     traffic = [token_traffic(a, p.ep, gpus_per_node, fp8) for fp8 in (False, True)]
     buffers = communication_buffer_bytes(config, gpus_per_node)
@@ -229,8 +235,10 @@ def make_plan(config: Config, nodes: int, gpus_per_node: int) -> ClusterPlan:
             pp_rank=rank, stages=on_rank, dense_params=params.dense, expert_params=params.expert,
             weights=weight * (params.dense + params.expert) + copies, main_params=main * owned,
             grads=grad * (params.dense + params.expert), optimizer=optimizer_bytes(config, params, owned),
-            activations=_peak_activation_bytes(program, per_stage, timeline.costs.mem_b), buffers=buffers,
-            peak_units=timeline.peak_activations[rank],
+            activations=max(_peak_activation_bytes(s.programs[rank], per_stage, mem_b) for s in (schedule, *ramp)),
+            buffers=buffers,
+            peak_units=max([timeline.peak_activations[rank], *(_peak_activation_bytes(s.programs[rank], units, mem_b)
+                                                               for s in ramp)]),
             inter_node=tuple(moe_tokens * x.inter_node for x in traffic),
             intra_node=tuple(moe_tokens * x.intra_node for x in traffic)))
     return ClusterPlan(config, nodes, gpus_per_node, schedule.num_microbatches, stages, timeline, ranks,
@@ -312,6 +320,7 @@ def format_plan(plan: ClusterPlan) -> str:
         f"{t.micro_batch_size} per pipeline; precision {t.precision}"
         + (" (weights include the FP8 copy of each weight its GEMMs take, made once per step)"
            if t.precision == "fp8" else ""),
+        *_ramp_lines(cfg, plan.dp),
         f"model: {counts.total_with_mtp / 1e9:.1f} B parameters ({counts.total / 1e9:.1f} B + MTP "
         f"{counts.mtp_total / 1e9:.1f} B); {len(plan.stages)} stages: "
         + ", ".join(f"{s.index}:{_stage_label(s)}" for s in plan.stages),
@@ -341,6 +350,17 @@ def format_plan(plan: ClusterPlan) -> str:
         f"(BF16 dispatch); {busiest.inter_node[1] / GIB:.1f} / {busiest.intra_node[1] / GIB:.1f} GiB (FP8 dispatch)",
     ]
     return "\n".join(lines)
+
+
+def _ramp_lines(config: Config, dp: int) -> list[str]:
+    """The batch ramp's line of the plan (none without a ramp)."""
+    ramp = batch_ramp(config.train)
+    if not ramp.samples:
+        return []
+    per_pipeline = config.train.micro_batch_size * dp
+    return [f"batch ramp: {ramp.describe()}: {ramp.start // per_pipeline} to {ramp.final // per_pipeline} "
+            f"micro-batches per pipeline, by {ramp.increment // per_pipeline}; activations at the largest peak of "
+            "every step's schedule"]
 
 
 def _recompute_label(modules: tuple[str, ...]) -> str:

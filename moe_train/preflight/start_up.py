@@ -15,12 +15,10 @@ from moe_train.memory_snapshot import memory_snapshot_problem
 from moe_train.metrics import wandb_module
 from moe_train.preflight.layout import batch_problems
 from moe_train.preflight.memory_limits import available_memory
-from moe_train.preflight.pipeline import plan_pipeline
+from moe_train.preflight.pipeline import check_pipeline
 from moe_train.preflight.plan import start_up_memory_problems
 from moe_train.runtime import device_type, select_device
-from moe_train.zb_measure import measures_zb_costs
 from parallel.dispatch import deepep_unavailable, native_unavailable
-from parallel.pipeline.timeline import Costs
 from parallel.topology import Topology, TopologyError, init_distributed
 
 
@@ -48,10 +46,13 @@ def choose_dispatcher(config: Config, topology: Topology | None) -> str:
 
 def start_distributed(config: Config) -> Topology | None:
     """The process layout when launched with several processes (torchrun or srun), else None."""
-    if int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) <= 1:
+    if launched_processes() <= 1:
         if config.parallel.ep > 1 or config.parallel.pp > 1:
             raise ConfigError([("parallel", f"ep={config.parallel.ep} x pp={config.parallel.pp} needs several "
                                             "processes; launch with NPROC_PER_NODE or under Slurm")])
+        problems = batch_problems(config, 1)
+        if problems:
+            raise ConfigError(problems)
         return None
     p = config.parallel
     try:
@@ -63,9 +64,7 @@ def start_distributed(config: Config) -> Topology | None:
     if problems:
         raise ConfigError(problems)
     if p.pp > 1:
-        plan_pipeline(config, topology.dp)
-        if measures_zb_costs(p):  # what the warm-up switches to must fit as well
-            plan_pipeline(config, topology.dp, Costs())
+        check_pipeline(config, topology.dp)
     return topology
 
 

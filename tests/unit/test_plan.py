@@ -103,7 +103,7 @@ def test_impossible_layout_names_the_key(capsys, nodes, gpus, key):
 
 def test_schedule_requirements_are_checked(capsys):
     code = plan.main(["--config", DSV3, "--nodes", "256", "--gpus-per-node", "8",
-                      "--set", "train.global_batch_size=1536"])
+                      "--set", "train.global_batch_size=1536", "--set", "train.rampup_batch_size=null"])
     err = capsys.readouterr().err
     assert code == 2 and "parallel.schedule: dualpipe over pp=16 with 12 micro-batches" in err
 

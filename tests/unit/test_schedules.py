@@ -23,9 +23,17 @@ def test_warmup_then_cosine():
 
 
 def test_deepseek_v3_shape_with_the_papers_numbers():
+    """The recipe counts its steps at the final batch of 15,360 (its batch ramp's first 2,000 steps, the
+    paper's warm-up, take 4,096 samples each: 533 final batches)."""
     o = load_config("moe_train/configs/dsv3_671b.yaml").optim
     total = 235240
-    assert learning_rate(999, o, total) == pytest.approx(2.2e-4 * 1000 / 2000)
+
+    def warm_up(k):  # the 0-based ramp step k < 2000: 4096 samples before it each
+        return learning_rate(k * 4096 / 15360, o, total, 4096 / 15360)
+
+    assert warm_up(0) == pytest.approx(2.2e-4 * (4096 / 15360) / 533)
+    assert warm_up(999) == pytest.approx(2.2e-4 * (1000 * 4096 / 15360) / 533)
+    assert warm_up(1997) < 2.2e-4 and warm_up(1998) == 2.2e-4  # the peak from the 1,999th step on
     assert learning_rate(2000, o, total) == pytest.approx(2.2e-4)
     assert learning_rate(158945, o, total) == pytest.approx(2.2e-4)  # constant until 10T tokens
     mid = 158946 + 68347 // 2
