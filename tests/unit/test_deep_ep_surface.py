@@ -90,7 +90,7 @@ def test_config_has_deepeps_five_fields_positionally():
 
 
 @pytest.mark.parametrize("num_ranks", sorted(DISPATCH_CONFIGS))
-def test_deepeps_recommended_configs_are_accepted_up_to_16_nodes(num_ranks, monkeypatch):
+def test_deepeps_recommended_configs_are_accepted_up_to_20_nodes(num_ranks, monkeypatch):
     monkeypatch.setattr(deep_ep.Buffer, "num_sms", 24)
     hidden_bytes, nodes_gpus = 7168 * 2, nodes_of(num_ranks)
     for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
@@ -105,13 +105,17 @@ def test_deepeps_recommended_configs_are_accepted_up_to_16_nodes(num_ranks, monk
             continue
         nodes, gpus = nodes_gpus
         problem = ours.validate(nodes, gpus, hidden_bytes, 8, 2)
-        if nodes > 16:  # kMaxRdmaPeers: DeepEP allows 20 nodes (EP 144, 160), our kernels 16
-            assert problem == "num_nodes must be in [2, kMaxRdmaPeers]"
-            continue
         assert problem is None, f"EP {num_ranks}: {config} -> {ours}: {problem}"
         assert ours.rdma_capacity >= config.num_max_rdma_chunked_recv_tokens
         assert ours.nvl_capacity >= config.num_max_nvl_chunked_recv_tokens
         assert (rdma, nvl) == ours.buffer_size_hints(nodes, gpus, hidden_bytes, constants.MAX_TOPK)
+
+
+def test_deepeps_node_limit_is_ours():
+    """DeepEP's NUM_MAX_RDMA_PEERS is 20: EP 160 over nodes of 8 is its largest group, and ours."""
+    assert constants.MAX_RDMA_PEERS == 20 and nodes_of(max(DISPATCH_CONFIGS)) == (20, 8)
+    ours = deep_ep.Buffer.get_dispatch_config(160).for_kernels(160)
+    assert ours.validate(21, 8, 7168 * 2, 8, 2) == "num_nodes must be in [2, kMaxRdmaPeers]"
 
 
 def test_ep16_rdma_ring_is_rounded_up_to_a_multiple_of_its_chunk():
