@@ -11,7 +11,7 @@ LogFMT combine (`use_logfmt=True`) and shrink mode (`enable_shrink`, the mask-bu
 refused; `allow_mnnvl`, `use_fabric`, `num_qps_per_rank` and `allow_nvlink_for_low_latency_mode`
 are accepted and have no effect (peers inside a machine are reached through CUDA IPC, across
 machines through NVSHMEM); `*_wait_recv_cost_stats` are checked and left unchanged (the kernels do
-not time their waits); `get_local_buffer_tensor` is refused (our regions have their own layout).
+not time their waits); `get_local_buffer_tensor` views our regions, whose layout is not DeepEP's.
 """
 from __future__ import annotations
 
@@ -142,9 +142,10 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError("deep_ep Buffer.get_local_buffer_tensor: kernels_cuda's regions have their own "
-                                  "layout and are not exposed raw; use get_next_low_latency_combine_buffer for the "
-                                  "zero-copy combine input")
+        """A view (no copy) of this rank's NVLink buffer, or RDMA buffer (the low-latency region in
+        low_latency_mode): `dtype` elements from byte `offset`, the first numel(`size`) shaped `size` if given;
+        see kernels_cuda.Buffer.get_local_buffer_tensor."""
+        return self.runtime.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def _kernels_config(self, config: Config | None, default: Config) -> Any:
         return (config or default).for_kernels(self.group_size)

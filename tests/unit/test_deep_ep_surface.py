@@ -17,6 +17,7 @@ from kernels_cuda.buffer import Handle
 from kernels_cuda.deep_ep.buffer import DISPATCH_CONFIGS, from_tuple, to_tuple
 from kernels_cuda.deep_ep.config import nodes_of
 from kernels_cuda.internode import InternodeHandle
+from kernels_cuda.region_view import region_view
 
 # DeepEP's Buffer: method -> its parameters after self, with their defaults (inspect.Parameter.empty: none).
 E = inspect.Parameter.empty
@@ -153,3 +154,32 @@ def test_unsupported_modes_are_refused_with_the_reason():
         deep_ep.Buffer.set_num_sms(5)
     with pytest.raises(ValueError, match="no recommended config for 6 ranks"):
         deep_ep.Buffer.get_dispatch_config(6)
+
+
+def test_local_buffer_views_take_a_byte_offset_and_refuse_what_leaves_the_buffer():
+    """get_local_buffer_tensor's view logic (kernels_cuda.region_view) on a 256-byte stand-in region: DeepEP's
+    byte offset, a view (writes reach the region), and each out-of-bounds argument refused by name."""
+    region = torch.zeros(256, dtype=torch.uint8)
+    where = "get_local_buffer_tensor"
+    whole = region_view(region, torch.int32, None, 0, where)
+    assert whole.dtype == torch.int32 and whole.numel() == 64 and whole.data_ptr() == region.data_ptr()
+    part = region_view(region, torch.int32, torch.Size([2, 3]), 8, where)  # bytes 8..31: int32 elements 2..7
+    assert part.shape == (2, 3) and part.data_ptr() == region.data_ptr() + 8
+    part[1, 2] = -1
+    assert region[28:32].tolist() == [255] * 4 and int(whole[7]) == -1 and int(region[:28].sum()) == 0
+    assert region_view(region, torch.float64, None, 248, where).numel() == 1
+    assert region_view(region, torch.bfloat16, None, 256, where).numel() == 0  # the end itself
+    assert region_view(region, torch.int32, (62,), 8, where).numel() == 62  # everything after byte 8
+    for offset in (-4, 260, 2.0, True):
+        with pytest.raises(ValueError, match=r"offset must be a byte offset in \[0, 256\]"):
+            region_view(region, torch.int32, None, offset, where)
+    with pytest.raises(ValueError, match="offset must be a multiple of the 4-byte size of torch.int32, got 6"):
+        region_view(region, torch.int32, None, 6, where)
+    with pytest.raises(ValueError, match=r"size \[63\] needs 63 elements of torch.int32, but only 62 follow byte "
+                                         "offset 8 of the 256-byte buffer"):
+        region_view(region, torch.int32, (63,), 8, where)
+    for size in (-1, (2, -1), (2.0,), 7):
+        with pytest.raises(ValueError, match="size must be a torch.Size"):
+            region_view(region, torch.int32, size, 0, where)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype, got 'int32'"):
+        region_view(region, "int32", None, 0, where)
