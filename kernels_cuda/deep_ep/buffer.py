@@ -73,6 +73,22 @@ def from_tuple(handle: tuple | list, config: Any) -> Handle | InternodeHandle:
                     "fields")
 
 
+def bias_terms(bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+    """DeepEP's `combine(bias=...)`: none, one tensor or a pair."""
+    biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+    if len(biases) > 2:
+        raise ValueError(f"deep_ep Buffer.combine: bias is one tensor or a pair, got {len(biases)}")
+    return biases
+
+
+def add_bias(combined: torch.Tensor, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`combined` plus each bias [num_tokens, hidden], summed in float32 and rounded once more."""
+    for b in biases:
+        if tuple(b.shape) != tuple(combined.shape):
+            raise ValueError(f"deep_ep Buffer.combine: bias must be {list(combined.shape)}, got {list(b.shape)}")
+    return sum((b.float() for b in biases), combined.float()).to(combined.dtype)
+
+
 def _check_cost_stats(name: str, stats: torch.Tensor | None, num_ranks: int) -> None:
     if stats is not None and (stats.dtype != torch.int64 or tuple(stats.shape) != (num_ranks,)):
         raise ValueError(f"deep_ep: {name} must be int64 [num_ranks={num_ranks}], got {stats.dtype} "
@@ -189,19 +205,13 @@ class Buffer:
         """(combined_x, combined_topk_weights, event): the unweighted sum over the ranks each token went to,
         plus up to two `bias` tensors [num_tokens, hidden] (added in float32, rounded once more)."""
         ours = self._kernels_config(config, self.get_combine_config(self.group_size))
-        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        if len(biases) > 2:
-            raise ValueError(f"deep_ep Buffer.combine: bias is one tensor or a pair, got {len(biases)}")
+        biases = bias_terms(bias)
         combined, weights, event = self.runtime.combine(x, from_tuple(handle, ours), topk_weights, ours,
                                                         to_kernels(previous_event), async_finish,
                                                         allocate_on_comm_stream)
         if biases:
             event.current_stream_wait()  # the add runs on the current stream, after the combine
-            for b in biases:
-                if tuple(b.shape) != tuple(combined.shape):
-                    raise ValueError(f"deep_ep Buffer.combine: bias must be {list(combined.shape)}, got "
-                                     f"{list(b.shape)}")
-            combined = sum((b.float() for b in biases), combined.float()).to(combined.dtype)
+            combined = add_bias(combined, biases)
             event = capture() if async_finish else event
         return combined, weights, from_kernels(event, async_finish)
 
