@@ -33,6 +33,7 @@ from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, 
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
 from kernels_cuda.low_latency import (EmulatedLowLatency, LowLatencyEngine, LowLatencyHandle, check_hook_args,
                                       size_hint)
+from kernels_cuda.region_view import region_view
 from kernels_cuda.streams import (ON_CURRENT_STREAM, CommStreamOp, CurrentStreamOp, EventOverlap, capture,
                                   check_stream_args)
 
@@ -237,6 +238,7 @@ class Buffer:
         self.device = resolve_device(device)
         ext = kernels_cuda.extension(self.device)
         self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
+        self.num_nvl_bytes = int(num_nvl_bytes)
         self.ranks_per_node = ranks_on_this_machine(group) if ranks_per_node is None else ranks_per_node
         if self.ranks_per_node < 1 or self.num_ranks % self.ranks_per_node:
             raise ValueError(f"kernels_cuda Buffer: a group of {self.num_ranks} ranks does not split into nodes of "
@@ -431,6 +433,32 @@ class Buffer:
         dist.barrier(group=self.group)
         engine.clean()
         dist.barrier(group=self.group)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Sequence[int] | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """DeepEP's raw view of this rank's buffer: `dtype` elements from byte `offset` (a multiple of their size)
+        to the buffer's end, or the first numel(`size`) of them shaped `size` (kernels_cuda.region_view). The
+        NVLink buffer (`num_nvl_bytes`: the intranode buffer, or the internode NVLink region), or with
+        `use_rdma_buffer` the RDMA buffer (`num_rdma_bytes`): the low-latency region in low_latency_mode, where
+        DeepEP's low-latency kernels work, else the internode RDMA region. The memory the kernels use, not a
+        copy, laid out as csrc/ep_config.h, ep_internode.h and ep_low_latency.h say (not as DeepEP's);
+        valid until destroy()."""
+        where = f"kernels_cuda Buffer.get_local_buffer_tensor (rank {self.rank})"
+        return region_view(self._local_region(use_rdma_buffer, where), dtype, size, offset, where)
+
+    def _local_region(self, use_rdma_buffer: bool, where: str) -> torch.Tensor:
+        """This rank's whole NVLink or RDMA buffer as bytes."""
+        if not use_rdma_buffer:
+            if self.num_nvl_bytes == 0:
+                raise ValueError(f"{where}: this buffer has no NVLink buffer (num_nvl_bytes=0); use_rdma_buffer=True "
+                                 "for the RDMA one")
+            return self.runtime.nvl_region(self.rank) if self.is_internode else self.runtime.region(self.rank)
+        if self.low_latency is not None:
+            return self.low_latency.runtime.region(self.rank)
+        if self.is_internode:
+            return self.runtime.rdma_region(self.rank)
+        raise ValueError(f"{where}: use_rdma_buffer=True, but this buffer has no RDMA buffer (one node, not "
+                         "low_latency_mode)")
 
     def error_record(self) -> dict[str, Any]:
         """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""

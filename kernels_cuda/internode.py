@@ -82,8 +82,10 @@ class InternodeEngine:
                                   max(1, num_experts // self.num_ranks))
         if problem is not None:
             raise ValueError(f"kernels_cuda: invalid internode config {config}: {problem}")
-        check_resident(f"{launch_ranks} rank(s) x {config.num_channels} channels", launch_ranks * 2 * config.num_channels,
-                       self.sms, "use fewer channels (InternodeConfig(num_channels=...)) or fewer ranks per launch")
+        blocks = launch_ranks * max(2 * config.num_channels, 1 + self.num_nodes)  # dispatch/combine, notify
+        check_resident(f"{launch_ranks} rank(s) x {config.num_channels} channels over {self.num_nodes} nodes", blocks,
+                       self.sms, "use fewer channels (InternodeConfig(num_channels=...)) or fewer ranks per launch "
+                       "(on the CPU emulation: Schedule(sm_count=...))")
 
     def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
                  topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],

@@ -266,12 +266,12 @@ class EmulatedLowLatency:
     def low_latency_combine(self, xs: Sequence[torch.Tensor] | None, topk_idx: Sequence[torch.Tensor],
                             topk_weights: Sequence[torch.Tensor], handles: Sequence[LowLatencyHandle],
                             zero_copy: bool = False, return_recv_hook: bool = False,
-                            out: Sequence[torch.Tensor | None] | None = None) -> list[tuple]:
+                            out: Sequence[torch.Tensor | None] | None = None, use_logfmt: bool = False) -> list[tuple]:
         """Per rank: (combined_x, event, hook); with `zero_copy` (xs None) each rank's input is its
-        get_next_low_latency_combine_buffer."""
+        get_next_low_latency_combine_buffer. `use_logfmt=True` is refused, as Buffer's."""
         R = self.num_ranks
         inputs = [None] * R if zero_copy else xs
-        return self._low_latency_engine().combine(range(R), inputs, topk_idx, topk_weights, handles, False,
+        return self._low_latency_engine().combine(range(R), inputs, topk_idx, topk_weights, handles, use_logfmt,
                                                   return_recv_hook, out or [None] * R)
 
     def get_next_low_latency_combine_buffer(self, handles: Sequence[LowLatencyHandle]) -> list[torch.Tensor]:

@@ -21,15 +21,15 @@ constexpr int kFp8BlockSize = 128;       // one float scale per 128 FP8 channels
 constexpr int kMaxChannels = 64;
 // Internode (node-limited, two hops: RDMA between same-GPU-index peers, then NVLink inside the node).
 constexpr int kMaxNvlPeers = 8;          // GPUs per node handled by the internode kernels
-constexpr int kMaxRdmaPeers = 16;        // nodes; one lane per node in every role
+constexpr int kMaxRdmaPeers = 20;        // nodes (DeepEP's NUM_MAX_RDMA_PEERS); one lane per node in every role
 constexpr int kRdmaSenderWarps = 7;      // dispatch: token-parallel RDMA sender warps (+1 coordinator)
 constexpr int kRdmaReceiverWarps = 8;    // combine: token-parallel RDMA receiver warps (+1 head coordinator)
-constexpr int kMaxEmulatedRanks = 16;    // nodes x GPUs of one emulated internode launch (e.g. 2x4, 4x2, 4x4)
+constexpr int kMaxEmulatedRanks = 20;    // nodes x GPUs of one emulated internode launch (e.g. 2x4, 4x4, 20x1)
 // Dispatch block: sender SM = kRdmaSenderWarps senders + 1 coordinator + one NVLink receiver per GPU;
 // the forwarder SM uses one forwarder per GPU + 1 coordinator of the same block size.
 constexpr int kInternodeDispatchWarps = 16;
 // Combine block: max(NVLink senders + RDMA receivers + 1 coordinator, one forwarder per node + 1 coordinator).
-constexpr int kInternodeCombineWarps = 17;
+constexpr int kInternodeCombineWarps = 21;
 constexpr int kRdmaMetaInts = 20;        // per (channel, node): node start/end + per-GPU start/end, padded to 16 B
 constexpr long long kDefaultTimeoutCycles = 200000000000LL;  // ~100 s at 2 GHz
 

@@ -11,7 +11,7 @@ LogFMT combine (`use_logfmt=True`) and shrink mode (`enable_shrink`, the mask-bu
 refused; `allow_mnnvl`, `use_fabric`, `num_qps_per_rank` and `allow_nvlink_for_low_latency_mode`
 are accepted and have no effect (peers inside a machine are reached through CUDA IPC, across
 machines through NVSHMEM); `*_wait_recv_cost_stats` are checked and left unchanged (the kernels do
-not time their waits); `get_local_buffer_tensor` is refused (our regions have their own layout).
+not time their waits); `get_local_buffer_tensor` views our regions, whose layout is not DeepEP's.
 """
 from __future__ import annotations
 
@@ -71,6 +71,22 @@ def from_tuple(handle: tuple | list, config: Any) -> Handle | InternodeHandle:
                                config)
     raise TypeError(f"deep_ep Buffer: a handle is DeepEP's intranode (6) or internode (10) tuple, got {len(handle)} "
                     "fields")
+
+
+def bias_terms(bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, ...]:
+    """DeepEP's `combine(bias=...)`: none, one tensor or a pair."""
+    biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+    if len(biases) > 2:
+        raise ValueError(f"deep_ep Buffer.combine: bias is one tensor or a pair, got {len(biases)}")
+    return biases
+
+
+def add_bias(combined: torch.Tensor, biases: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`combined` plus each bias [num_tokens, hidden], summed in float32 and rounded once more."""
+    for b in biases:
+        if tuple(b.shape) != tuple(combined.shape):
+            raise ValueError(f"deep_ep Buffer.combine: bias must be {list(combined.shape)}, got {list(b.shape)}")
+    return sum((b.float() for b in biases), combined.float()).to(combined.dtype)
 
 
 def _check_cost_stats(name: str, stats: torch.Tensor | None, num_ranks: int) -> None:
@@ -142,9 +158,10 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        raise NotImplementedError("deep_ep Buffer.get_local_buffer_tensor: kernels_cuda's regions have their own "
-                                  "layout and are not exposed raw; use get_next_low_latency_combine_buffer for the "
-                                  "zero-copy combine input")
+        """A view (no copy) of this rank's NVLink buffer, or RDMA buffer (the low-latency region in
+        low_latency_mode): `dtype` elements from byte `offset`, the first numel(`size`) shaped `size` if given;
+        see kernels_cuda.Buffer.get_local_buffer_tensor."""
+        return self.runtime.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     def _kernels_config(self, config: Config | None, default: Config) -> Any:
         return (config or default).for_kernels(self.group_size)
@@ -188,19 +205,13 @@ class Buffer:
         """(combined_x, combined_topk_weights, event): the unweighted sum over the ranks each token went to,
         plus up to two `bias` tensors [num_tokens, hidden] (added in float32, rounded once more)."""
         ours = self._kernels_config(config, self.get_combine_config(self.group_size))
-        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        if len(biases) > 2:
-            raise ValueError(f"deep_ep Buffer.combine: bias is one tensor or a pair, got {len(biases)}")
+        biases = bias_terms(bias)
         combined, weights, event = self.runtime.combine(x, from_tuple(handle, ours), topk_weights, ours,
                                                         to_kernels(previous_event), async_finish,
                                                         allocate_on_comm_stream)
         if biases:
             event.current_stream_wait()  # the add runs on the current stream, after the combine
-            for b in biases:
-                if tuple(b.shape) != tuple(combined.shape):
-                    raise ValueError(f"deep_ep Buffer.combine: bias must be {list(combined.shape)}, got "
-                                     f"{list(b.shape)}")
-            combined = sum((b.float() for b in biases), combined.float()).to(combined.dtype)
+            combined = add_bias(combined, biases)
             event = capture() if async_finish else event
         return combined, weights, from_kernels(event, async_finish)
 

@@ -58,6 +58,12 @@ BUGS = {
         "            rdma.signal_add_warp(m, rl.word(rl.tail, c, me), count);\n            if (lane == m) issued += count;",
         "            if (lane == m) issued += count;",
         "the internode RDMA coordinator never publishes the tail of the records it put"),
+    "node_mask_16_bits": Bug(
+        f"{KERNELS}/internode_dispatch.cu",
+        "const unsigned nodes = __ballot_sync(0xffffffffu, mask != 0);",
+        "const unsigned nodes = __ballot_sync(0xffffffffu, mask != 0) & 0xffffu;",
+        "the internode RDMA senders keep a token's destination nodes in a 16-bit mask: its records for nodes 16 "
+        "to 19 are counted but never written"),
     # Memory-ordering bugs: a GPU may show them, the sequentially consistent emulation cannot; the runs in
     # the relaxed memory mode (Schedule.memory, `-relaxed` in a test id) catch them.
     "released_without_fence": Bug(

@@ -74,6 +74,12 @@ def test_a_grid_larger_than_the_device_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="but the device has 16 SMs"):
         internode.dispatch(payload("random", 4, 8, H, torch.bfloat16, 1, device="cpu"),
                            routing("random", 4, 8, 16, K, 1, device="cpu"), weights(4, 8, K, 1, device="cpu"), 16)
+    config = InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=20, rdma_chunk=2, rdma_capacity=12)
+    many = EmulatedInternodeGroup(20, 1, *config.buffer_size_hints(20, 1, 2 * H, K), config, device="cpu")
+    with pytest.raises(ValueError, match="20 rank.s. x 1 channels over 20 nodes needs a cooperative grid of 420 "
+                                         "blocks, but the device has 132 SMs"):  # the notify: 1 + 20 per rank
+        many.dispatch(payload("random", 20, 8, H, torch.bfloat16, 1, device="cpu"),
+                      routing("random", 20, 8, 40, K, 1, device="cpu"), weights(20, 8, K, 1, device="cpu"), 40)
 
 
 def test_the_emulator_enforces_the_sm_limit_itself():

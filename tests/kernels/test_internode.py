@@ -1,14 +1,18 @@
-"""Internode (two-hop) kernels: 2x2, 2x4 and 4x2 (nodes x GPUs) ranks of an EmulatedInternodeGroup
-against the pure-torch `hierarchical` backend, bit-exact: dispatch, per-hop record counts and combine,
+"""Internode (two-hop) kernels: 2x2, 2x4 and 4x2 (nodes x GPUs) ranks of an EmulatedInternodeGroup, and
+17, 18 and 20 nodes of one GPU (more than 16, up to kMaxRdmaPeers), against the pure-torch
+`hierarchical` backend, bit-exact: dispatch, per-hop record counts and combine,
 node-limited and skewed routings (every token to one rank or one node, a rank that receives nothing,
 tokens with no expert), tiny rings and chunk 1, cached mode, FP8, num_worst_tokens, a stalled rank.
 Each case runs on the CPU emulation under several scheduler seeds and once on CUDA when present."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kernels_cuda import EmulatedInternodeGroup, InternodeConfig
+from kernels_cuda import EmulatedInternodeGroup, InternodeConfig, InternodeHandle
+from kernels_cuda import constants as C
 from tests.kernels.cases import node_limited_routing, payload, quantize, routing, weights
 from tests.kernels.reference import reference_dispatch
 from tests.kernels.reference_internode import kernel_hop_rows, run_hierarchical
@@ -31,17 +35,18 @@ def _group(nodes: int, gpus: int, run: Run, config: InternodeConfig | None = Non
                                   **run.group_kwargs())
 
 
-def _routing(kind: str, nodes: int, gpus: int, experts: int, seed: int, device: str) -> list[torch.Tensor]:
-    print(f"data seed {seed}: routing {kind}, {nodes} x {gpus} ranks")
+def _routing(kind: str, nodes: int, gpus: int, experts: int, seed: int, device: str,
+             tokens: int = TOKENS) -> list[torch.Tensor]:
+    print(f"data seed {seed}: routing {kind}, {nodes} x {gpus} ranks, {tokens} tokens each")
     if kind == "node_limited":
-        return node_limited_routing(nodes, gpus, TOKENS, experts, TOPK, max_nodes=2, seed=seed, device=device)
+        return node_limited_routing(nodes, gpus, tokens, experts, TOPK, max_nodes=2, seed=seed, device=device)
     if kind == "all_to_one_node":  # every token's experts on the last node
         R, per_node = nodes * gpus, experts // nodes
         g = torch.Generator().manual_seed(seed)
         first = experts - per_node
-        return [(first + torch.rand(TOKENS, per_node, generator=g).topk(TOPK, dim=1).indices).to(device)
+        return [(first + torch.rand(tokens, per_node, generator=g).topk(TOPK, dim=1).indices).to(device)
                 for _ in range(R)]
-    return routing(kind, nodes * gpus, TOKENS, experts, TOPK, seed, device=device)
+    return routing(kind, nodes * gpus, tokens, experts, TOPK, seed, device=device)
 
 
 def _check_dispatch(results, topk, xs, ws, experts) -> None:
@@ -58,14 +63,14 @@ DISPATCH_CASES = [(nodes, gpus, kind) for nodes, gpus in TOPOLOGIES
                   for kind in ("random", "node_limited", "all_to_one_rank", "all_to_one_node", "rank_receives_nothing")]
 
 
-@pytest.mark.parametrize("case,run", cases(DISPATCH_CASES, 20, family=21))
-def test_dispatch_and_combine_match_hierarchical(case, run):
-    nodes, gpus, kind = case
+def _dispatch_and_combine_match_hierarchical(group, nodes: int, gpus: int, kind: str, tokens: int, hidden: int,
+                                             device: str) -> list[InternodeHandle]:
+    """Dispatch (rows, top-k, per-expert counts, per-hop record counts) and combine (rows, weights) of every
+    rank against the `hierarchical` backend; returns the handles."""
     R, E = nodes * gpus, 4 * nodes * gpus
-    topk = _routing(kind, nodes, gpus, E, seed=R + len(kind), device=run.device)
-    xs = payload("random", R, TOKENS, HIDDEN, torch.bfloat16, seed=R, device=run.device)
-    ws = weights(R, TOKENS, TOPK, seed=R, device=run.device)
-    group = _group(nodes, gpus, run)
+    topk = _routing(kind, nodes, gpus, E, seed=R + len(kind), device=device, tokens=tokens)
+    xs = payload("random", R, tokens, hidden, torch.bfloat16, seed=R, device=device)
+    ws = weights(R, tokens, TOPK, seed=R, device=device)
     results = group.dispatch(xs, topk, ws, E)
     ref = run_hierarchical(nodes, gpus, xs, topk, ws, E, lambda rank, recv_x: recv_x)
     hops = kernel_hop_rows(nodes, gpus, [r[4] for r in results])
@@ -77,12 +82,41 @@ def test_dispatch_and_combine_match_hierarchical(case, run):
     if kind == "node_limited":  # a token costs at most max_nodes RDMA records, whatever its top-k
         for r in results:
             assert int((r[4].send_rdma_head >= 0).sum(1).max()) <= 2
+    handles = [r[4] for r in results]
 
-    combined = group.combine([r[0] for r in results], [r[4] for r in results], [r[2] for r in results])
+    combined = group.combine([r[0] for r in results], handles, [r[2] for r in results])
     for rank, ((x, cw), want) in enumerate(zip(combined, ref)):
         assert torch.equal(x, want.combined), f"rank {rank}: combine differs from hierarchical"
         valid = topk[rank] >= 0  # each top-k slot is non-zero on exactly one rank
         assert torch.equal(cw[valid], ws[rank][valid]) and bool((cw[~valid] == 0).all()), f"rank {rank}: weights"
+    return handles
+
+
+@pytest.mark.parametrize("case,run", cases(DISPATCH_CASES, 20, family=21))
+def test_dispatch_and_combine_match_hierarchical(case, run):
+    nodes, gpus, kind = case
+    _dispatch_and_combine_match_hierarchical(_group(nodes, gpus, run), nodes, gpus, kind, TOKENS, HIDDEN, run.device)
+
+
+# More nodes than 16, up to kMaxRdmaPeers (DeepEP's 20): one GPU each (an emulated launch holds at most
+# kMaxEmulatedRanks ranks), so every lane, forwarder warp and per-node slot past 16 is used.
+MANY_NODES = [(20, "random"), (18, "node_limited"), (20, "all_to_one_node"), (17, "rank_receives_nothing")]
+MANY_NODES_TOKENS, MANY_NODES_HIDDEN = 16, 64
+
+
+@pytest.mark.parametrize("case,run", [p for p in cases(MANY_NODES, 4, family=29, relaxed=1)
+                                      if p.values[1].device == "cpu"])  # (the notify grid is sized for the emulation)
+def test_more_than_sixteen_nodes_match_hierarchical(case, run):
+    nodes, kind = case
+    assert nodes <= C.MAX_RDMA_PEERS and nodes > 16
+    config = InternodeConfig(num_sms=2, nvl_chunk=1, nvl_capacity=nodes, rdma_chunk=2, rdma_capacity=12)
+    rdma, nvl = config.buffer_size_hints(nodes, 1, 2 * MANY_NODES_HIDDEN, TOPK)
+    schedule = replace(run.schedule, sm_count=nodes * (1 + nodes))  # the notify grid: 1 + nodes blocks per rank
+    group = EmulatedInternodeGroup(nodes, 1, rdma, nvl, config, timeout_cycles=TIMEOUT_CYCLES, timeout_s=20.0,
+                                   device=run.device, schedule=schedule)
+    handles = _dispatch_and_combine_match_hierarchical(group, nodes, 1, kind, MANY_NODES_TOKENS, MANY_NODES_HIDDEN,
+                                                       run.device)
+    assert sum(int((h.send_rdma_head[:, 16:] >= 0).sum()) for h in handles) > 0, "no record went past node 15"
 
 
 @pytest.mark.parametrize("case,run", cases([(2, 2), (4, 2)], 4, family=22))

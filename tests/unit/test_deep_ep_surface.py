@@ -17,6 +17,7 @@ from kernels_cuda.buffer import Handle
 from kernels_cuda.deep_ep.buffer import DISPATCH_CONFIGS, from_tuple, to_tuple
 from kernels_cuda.deep_ep.config import nodes_of
 from kernels_cuda.internode import InternodeHandle
+from kernels_cuda.region_view import region_view
 
 # DeepEP's Buffer: method -> its parameters after self, with their defaults (inspect.Parameter.empty: none).
 E = inspect.Parameter.empty
@@ -90,7 +91,7 @@ def test_config_has_deepeps_five_fields_positionally():
 
 
 @pytest.mark.parametrize("num_ranks", sorted(DISPATCH_CONFIGS))
-def test_deepeps_recommended_configs_are_accepted_up_to_16_nodes(num_ranks, monkeypatch):
+def test_deepeps_recommended_configs_are_accepted_up_to_20_nodes(num_ranks, monkeypatch):
     monkeypatch.setattr(deep_ep.Buffer, "num_sms", 24)
     hidden_bytes, nodes_gpus = 7168 * 2, nodes_of(num_ranks)
     for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
@@ -105,13 +106,17 @@ def test_deepeps_recommended_configs_are_accepted_up_to_16_nodes(num_ranks, monk
             continue
         nodes, gpus = nodes_gpus
         problem = ours.validate(nodes, gpus, hidden_bytes, 8, 2)
-        if nodes > 16:  # kMaxRdmaPeers: DeepEP allows 20 nodes (EP 144, 160), our kernels 16
-            assert problem == "num_nodes must be in [2, kMaxRdmaPeers]"
-            continue
         assert problem is None, f"EP {num_ranks}: {config} -> {ours}: {problem}"
         assert ours.rdma_capacity >= config.num_max_rdma_chunked_recv_tokens
         assert ours.nvl_capacity >= config.num_max_nvl_chunked_recv_tokens
         assert (rdma, nvl) == ours.buffer_size_hints(nodes, gpus, hidden_bytes, constants.MAX_TOPK)
+
+
+def test_deepeps_node_limit_is_ours():
+    """DeepEP's NUM_MAX_RDMA_PEERS is 20: EP 160 over nodes of 8 is its largest group, and ours."""
+    assert constants.MAX_RDMA_PEERS == 20 and nodes_of(max(DISPATCH_CONFIGS)) == (20, 8)
+    ours = deep_ep.Buffer.get_dispatch_config(160).for_kernels(160)
+    assert ours.validate(21, 8, 7168 * 2, 8, 2) == "num_nodes must be in [2, kMaxRdmaPeers]"
 
 
 def test_ep16_rdma_ring_is_rounded_up_to_a_multiple_of_its_chunk():
@@ -149,3 +154,32 @@ def test_unsupported_modes_are_refused_with_the_reason():
         deep_ep.Buffer.set_num_sms(5)
     with pytest.raises(ValueError, match="no recommended config for 6 ranks"):
         deep_ep.Buffer.get_dispatch_config(6)
+
+
+def test_local_buffer_views_take_a_byte_offset_and_refuse_what_leaves_the_buffer():
+    """get_local_buffer_tensor's view logic (kernels_cuda.region_view) on a 256-byte stand-in region: DeepEP's
+    byte offset, a view (writes reach the region), and each out-of-bounds argument refused by name."""
+    region = torch.zeros(256, dtype=torch.uint8)
+    where = "get_local_buffer_tensor"
+    whole = region_view(region, torch.int32, None, 0, where)
+    assert whole.dtype == torch.int32 and whole.numel() == 64 and whole.data_ptr() == region.data_ptr()
+    part = region_view(region, torch.int32, torch.Size([2, 3]), 8, where)  # bytes 8..31: int32 elements 2..7
+    assert part.shape == (2, 3) and part.data_ptr() == region.data_ptr() + 8
+    part[1, 2] = -1
+    assert region[28:32].tolist() == [255] * 4 and int(whole[7]) == -1 and int(region[:28].sum()) == 0
+    assert region_view(region, torch.float64, None, 248, where).numel() == 1
+    assert region_view(region, torch.bfloat16, None, 256, where).numel() == 0  # the end itself
+    assert region_view(region, torch.int32, (62,), 8, where).numel() == 62  # everything after byte 8
+    for offset in (-4, 260, 2.0, True):
+        with pytest.raises(ValueError, match=r"offset must be a byte offset in \[0, 256\]"):
+            region_view(region, torch.int32, None, offset, where)
+    with pytest.raises(ValueError, match="offset must be a multiple of the 4-byte size of torch.int32, got 6"):
+        region_view(region, torch.int32, None, 6, where)
+    with pytest.raises(ValueError, match=r"size \[63\] needs 63 elements of torch.int32, but only 62 follow byte "
+                                         "offset 8 of the 256-byte buffer"):
+        region_view(region, torch.int32, (63,), 8, where)
+    for size in (-1, (2, -1), (2.0,), 7):
+        with pytest.raises(ValueError, match="size must be a torch.Size"):
+            region_view(region, torch.int32, size, 0, where)
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype, got 'int32'"):
+        region_view(region, "int32", None, 0, where)

@@ -161,7 +161,7 @@ def test_compile_check_compiles_every_kernel_for_sm90_without_spills_and_the_hos
 
 
 INTERNODE_GRID = list(itertools.product([1, 65], [0, 1, 6, 300], [4, 288, 290], [1, 16, 64], [7, 128, 130],
-                                        [1, 2, 4, 17], [1, 8, 9], [256, 100], [8], [1, 2000]))
+                                        [1, 2, 4, 20, 21], [1, 8, 9], [256, 100], [8], [1, 2000]))
 
 
 def test_python_internode_config_mirror_matches_the_header(config_probe):

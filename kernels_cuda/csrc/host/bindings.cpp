@@ -170,6 +170,13 @@ class Runtime final : public RuntimeCore {
     int64_t num_bytes() const { return num_bytes_; }
     bool emulated() const { return every_rank(); }
 
+    // `rank`'s whole buffer as bytes (get_local_buffer_tensor): a view, valid until destroy().
+    at::Tensor region(int rank) const {
+        require_alive();
+        check_launch_rank(rank);
+        return buffers_.bytes_view(rank, num_bytes_);
+    }
+
    private:
     static int checked_world(int num_ranks, int64_t num_bytes) {
         TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
@@ -225,6 +232,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("cached_notify", &Runtime::cached_notify)
         .def("dispatch", &Runtime::dispatch)
         .def("combine", &Runtime::combine)
+        .def("region", &Runtime::region)
         .def_property_readonly("num_bytes", &Runtime::num_bytes)
         .def_property_readonly("emulated", &Runtime::emulated);
     bind_runtime_core(runtime);

@@ -16,6 +16,11 @@ struct DeviceGuard {
 inline bool on_launch_device(const at::Tensor& t) { return t.device().is_cpu(); }
 constexpr const char* kLaunchDevice = "CPU (the emulation build runs on CPU tensors)";
 
+// A tensor of `dtype` over memory of the launch device (a view of a region, torch::from_blob).
+inline at::TensorOptions launch_device_options(at::ScalarType dtype) {
+    return at::TensorOptions().dtype(dtype).device(at::kCPU);
+}
+
 class LaunchStream {
    public:
     cudaStream_t get() { return &stream_; }
@@ -61,6 +66,10 @@ using DeviceGuard = c10::cuda::CUDAGuard;
 
 inline bool on_launch_device(const at::Tensor& t) { return t.is_cuda(); }
 constexpr const char* kLaunchDevice = "GPU";
+
+inline at::TensorOptions launch_device_options(at::ScalarType dtype) {
+    return at::TensorOptions().dtype(dtype).device(at::kCUDA, c10::cuda::current_device());
+}
 
 class LaunchStream {
    public:

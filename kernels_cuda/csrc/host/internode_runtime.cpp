@@ -168,6 +168,16 @@ class InternodeRuntime : public RuntimeCore {
         check_cuda(ep::launch_internode_combine(p, backend_, payload, stream_.get()), "internode combine");
     }
 
+    // `rank`'s whole RDMA or NVLink region as bytes (get_local_buffer_tensor): a view, valid until destroy().
+    at::Tensor rdma_region(int rank) const {
+        check_launch_rank(rank);
+        return rdma_.bytes_view(rank, rdma_bytes_);
+    }
+    at::Tensor nvl_region(int rank) const {
+        check_launch_rank(rank);
+        return nvl_.bytes_view(rank, nvl_bytes_);
+    }
+
     // Bytes each region needs for `record_bytes` (dispatch or combine record) under this config.
     static std::pair<int64_t, int64_t> region_bytes(const py::dict& s, int num_nodes, int gpus, int record_bytes) {
         const ep::InternodeLayout l = ep::make_internode_layout(config_of(s), num_nodes, gpus, record_bytes);
@@ -338,6 +348,8 @@ void register_internode(py::module_& m) {
         .def("cached_notify", &InternodeRuntime::cached_notify)
         .def("dispatch", &InternodeRuntime::dispatch)
         .def("combine", &InternodeRuntime::combine)
+        .def("rdma_region", &InternodeRuntime::rdma_region)
+        .def("nvl_region", &InternodeRuntime::nvl_region)
         .def_static("region_bytes", &InternodeRuntime::region_bytes);
     bind_runtime_core(runtime);
     py::class_<EmulatedInternodeRuntime, InternodeRuntime>(m, "EmulatedInternodeRuntime")

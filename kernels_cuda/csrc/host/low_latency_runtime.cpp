@@ -65,13 +65,15 @@ class LowLatencyRuntime : public RuntimeCore {
         TORCH_CHECK(half == 0 || half == 1, "kernels_cuda: half must be 0 or 1");
         const ep::LowLatencyLayout l = checked_layout(num_experts, max_tokens, hidden);
         uint8_t* base = regions_.at(rank) + half * l.half_bytes + l.combine_send;
-#if defined(EP_CPU_EMULATION)
-        const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCPU);
-#else
-        const auto options = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA, at::cuda::current_device());
-#endif
         return torch::from_blob(base, {num_experts / world_size_, static_cast<int64_t>(world_size_) * max_tokens, hidden},
-                                options);
+                                launch_device_options(at::kBFloat16));
+    }
+
+    // `rank`'s whole region as bytes (get_local_buffer_tensor): a view, valid until destroy().
+    at::Tensor region(int rank) const {
+        require_alive();
+        check_launch_rank(rank);
+        return regions_.bytes_view(rank, num_bytes_);
     }
 
     void dispatch(const std::vector<py::dict>& ranks, const py::dict& s) {
@@ -200,6 +202,7 @@ void register_low_latency(py::module_& m) {
         .def("destroy", &LowLatencyRuntime::destroy)
         .def("clean", &LowLatencyRuntime::clean)
         .def("combine_buffer", &LowLatencyRuntime::combine_buffer)
+        .def("region", &LowLatencyRuntime::region)
         .def("dispatch", &LowLatencyRuntime::dispatch)
         .def("combine", &LowLatencyRuntime::combine)
         .def_property_readonly("num_bytes", &LowLatencyRuntime::num_bytes)

@@ -78,6 +78,12 @@ class RankRegions {
         release();
     }
 
+    // `rank`'s region, `bytes` long, as a uint8 tensor on the launch device: a view (no copy) that is
+    // valid until release().
+    at::Tensor bytes_view(int rank, int64_t bytes) const {
+        return torch::from_blob(at(rank), {bytes}, launch_device_options(at::kByte));
+    }
+
     uint8_t* at(int rank) const {
         TORCH_CHECK(base_[rank] != nullptr, "kernels_cuda: the ", kind_, " of rank ", rank,
                     " is not mapped here (open_ipc_handles not called, or the buffer was destroyed)");

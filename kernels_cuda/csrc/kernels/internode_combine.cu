@@ -33,7 +33,11 @@ namespace {
 constexpr int kThreads = kInternodeCombineWarps * 32;
 constexpr int kFirstReceiver = kMaxNvlPeers;
 constexpr int kCoordinator = kInternodeCombineWarps - 1;
-constexpr int kPairsPerLane = kMaxRdmaPeers * kMaxNvlPeers / kWarpSize;
+// (origin node, producer GPU) pairs of the NVLink coordinator's lanes: every pair has a lane.
+constexpr int kPairsPerLane = (kMaxRdmaPeers * kMaxNvlPeers + kWarpSize - 1) / kWarpSize;
+// The five roles are __noinline__: inlined into one kernel, values hoisted for one role stayed live
+// through the others, and with kInternodeCombineWarps = kMaxRdmaPeers + 1 = 21 warps (at most 80
+// registers a thread) the kernel spilled; compiled apart, each role fits (python -m kernels_cuda.compile_check).
 
 struct Ctx {
     const InternodeCombineParams& p;
@@ -53,7 +57,7 @@ __device__ __forceinline__ void channel_rows(const int* prefix, const int* offse
 }
 
 template <Backend B>
-__device__ void nvl_sender(const Ctx& x, const Transport<B>& nvl, int g) {
+__device__ __noinline__ void nvl_sender(const Ctx& x, const Transport<B>& nvl, int g) {
     constexpr Scope S = Transport<B>::kScope;
     const InternodeCombineParams& p = x.p;
     const InternodeCombineRankArgs& a = x.a;
@@ -105,7 +109,7 @@ struct ForwarderShared {
 };
 
 template <Backend B, typename T>
-__device__ void forwarder(const Ctx& x, const RdmaTransport<B>& rdma, const Transport<nvl_backend_of<B>()>& nvl,
+__device__ __noinline__ void forwarder(const Ctx& x, const RdmaTransport<B>& rdma, const Transport<nvl_backend_of<B>()>& nvl,
                           volatile ForwarderShared& shared, int n) {
     constexpr Scope S = Transport<nvl_backend_of<B>()>::kScope;
     using V = Vec<T>;
@@ -170,7 +174,7 @@ __device__ void forwarder(const Ctx& x, const RdmaTransport<B>& rdma, const Tran
 }
 
 template <Backend B>
-__device__ void nvl_coordinator(const Ctx& x, const Transport<B>& nvl, const volatile ForwarderShared& shared) {
+__device__ __noinline__ void nvl_coordinator(const Ctx& x, const Transport<B>& nvl, const volatile ForwarderShared& shared) {
     const InternodeCombineParams& p = x.p;
     const NvlLayout& nl = p.layout.nvl;
     const int N = p.num_nodes, G = p.gpus, gpu = x.a.peers.gpu, lane = lane_id();
@@ -203,7 +207,7 @@ struct ReceiverShared {
 };
 
 template <Backend B, typename T>
-__device__ void rdma_receiver(const Ctx& x, const RdmaTransport<B>& rdma, volatile ReceiverShared& shared, int w) {
+__device__ __noinline__ void rdma_receiver(const Ctx& x, const RdmaTransport<B>& rdma, volatile ReceiverShared& shared, int w) {
     using V = Vec<T>;
     const InternodeCombineParams& p = x.p;
     const InternodeCombineRankArgs& a = x.a;
@@ -250,7 +254,7 @@ __device__ void rdma_receiver(const Ctx& x, const RdmaTransport<B>& rdma, volati
 }
 
 template <Backend B>
-__device__ void rdma_coordinator(const Ctx& x, const RdmaTransport<B>& rdma, const volatile ReceiverShared& shared) {
+__device__ __noinline__ void rdma_coordinator(const Ctx& x, const RdmaTransport<B>& rdma, const volatile ReceiverShared& shared) {
     const InternodeCombineParams& p = x.p;
     const RdmaLayout& rl = p.layout.rdma;
     const int N = p.num_nodes, me = x.a.peers.node, lane = lane_id();
