@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from moe_train.config import load_config
@@ -20,13 +21,17 @@ class TrainingRun:
     valid_loss: float | None  # the validation loss after the last step, when asked for
 
 
-def train_run(config_path: str, precision: str, steps: int, overrides: list[str], validate: bool = False) -> TrainingRun:
-    """`steps` steps of the config in `precision` (the learning-rate schedule spans them)."""
+def train_run(config_path: str, precision: str, steps: int, overrides: list[str], validate: bool = False,
+              prepare: Callable[[Trainer], None] | None = None) -> TrainingRun:
+    """`steps` steps of the config in `precision` (the learning-rate schedule spans them); `prepare`
+    changes the trainer before the first step (benchmarks.fp8_loss_curves' bf16 GEMM modules)."""
     with tempfile.TemporaryDirectory() as run_dir:
         config = load_config(config_path, [f"train.precision={precision}", f"train.steps={steps}",
                                            f"logging.dir={run_dir}", "logging.tensorboard=false",
                                            "checkpoint.resume=none", *overrides])
         trainer = Trainer(config)
+        if prepare is not None:
+            prepare(trainer)
         trainer.model.train()
         try:
             losses = [float(trainer.train_step()["loss"]) for _ in range(steps)]

@@ -4,6 +4,10 @@ the same seed, data and initialisation; prints both curves every tenth step, the
 of the final training loss (the mean of the last 10 steps) and of the validation loss after training.
 
     python -m benchmarks.fp8_loss_curves [--config moe_train/configs/demo.yaml] [--steps 400] [--runs-file F]
+        [--bf16-gemms GROUP]...
+
+`--bf16-gemms` (an ablation) keeps one group of FP8_MODULE_GROUPS on bf16 GEMMs in the fp8 run, to see
+how much of the gap that group's FP8 GEMMs make; it may be given more than once.
 
 On a CPU the FP8 GEMMs are emulated (exact, slower: model.fp8); each half of the 400-step demo takes
 the better part of an hour on 2 cores. `--runs-file` keeps each finished run in a JSON file, keyed by
@@ -13,23 +17,54 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import re
 import statistics
 
+from torch import nn
+
 from benchmarks.bf16_loss_curves import TrainingRun, train_run
+from model.layers import GemmOps
 from moe_train.config import load_config
+from moe_train.train import Trainer
 
 PAPER_CRITERION = 0.0025  # relative loss error of FP8 against BF16 (DeepSeek-V3 §3.3)
+FP8_MODULE_GROUPS = {  # the modules whose GEMMs train.precision=fp8 runs in FP8, by what they are
+    "attention projections": r"(.+\.)?self_attn\.\w+_proj(_with_mqa)?",
+    "routed experts": r".+\.mlp\.experts\.(gate_up|down)_proj",
+    "shared experts": r".+\.mlp\.shared_experts\.(gate|up|down)_proj",
+    "dense MLP": r"layers\.\d+\.mlp\.(gate|up|down)_proj",
+    "MTP projection": r"mtp\.\d+\.eh_proj",
+}
+
+
+def use_bf16_gemms(model: nn.Module, pattern: str, gemms: dict[str, GemmOps] | None = None) -> dict[str, GemmOps]:
+    """Plain bf16 GEMMs (`GemmOps`) for the modules whose names match `pattern` in full (never the model's
+    own or its output head's); with `gemms`, those modules' GEMMs from it instead (a former return
+    value: what they had). Returns the GEMMs the changed modules had."""
+    former = {}
+    for name, module in model.named_modules():
+        if name not in ("", "lm_head") and hasattr(module, "gemms") and re.fullmatch(pattern, name):
+            former[name] = module.gemms
+            module.gemms = GemmOps() if gemms is None else gemms[name]
+    return former
+
+
+def _bf16_groups(trainer: Trainer, groups: list[str]) -> None:
+    use_bf16_gemms(trainer.model, "|".join(f"({FP8_MODULE_GROUPS[group]})" for group in groups))
 
 
 def relative_error(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
-def kept_run(runs_file: str | None, config: str, precision: str, steps: int, overrides: list[str]) -> TrainingRun:
-    """The run from `runs_file` when it holds one with these settings, else a new one (added to the file)."""
-    key = json.dumps([precision, config, steps, overrides])
+def kept_run(runs_file: str | None, config: str, precision: str, steps: int, overrides: list[str],
+             bf16_groups: list[str] = ()) -> TrainingRun:
+    """The run from `runs_file` when it holds one with these settings, else a new one (added to the file);
+    `bf16_groups`: FP8_MODULE_GROUPS kept on bf16 GEMMs."""
+    key = json.dumps([precision, config, steps, overrides, *([sorted(bf16_groups)] if bf16_groups else [])])
     kept = {}
     if runs_file and os.path.exists(runs_file):
         with open(runs_file) as f:
@@ -37,7 +72,8 @@ def kept_run(runs_file: str | None, config: str, precision: str, steps: int, ove
     if key in kept:
         print(f"{precision}: the run kept in {runs_file}")
         return TrainingRun(**kept[key])
-    run = train_run(config, precision, steps, overrides, validate=True)
+    prepare = functools.partial(_bf16_groups, groups=list(bf16_groups)) if bf16_groups else None
+    run = train_run(config, precision, steps, overrides, validate=True, prepare=prepare)
     if runs_file:
         kept[key] = dataclasses.asdict(run)
         with open(f"{runs_file}.tmp", "w") as f:
@@ -52,10 +88,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--runs-file", help="JSON file keeping finished runs; runs it holds are not trained again")
+    parser.add_argument("--bf16-gemms", action="append", default=[], choices=sorted(FP8_MODULE_GROUPS),
+                        metavar="GROUP", help=f"keep these modules on bf16 GEMMs in the fp8 run: {', '.join(FP8_MODULE_GROUPS)}")
     opts = parser.parse_args()
-    runs = {p: kept_run(opts.runs_file, opts.config, p, opts.steps, opts.overrides) for p in ("bf16", "fp8")}
+    runs = {"bf16": kept_run(opts.runs_file, opts.config, "bf16", opts.steps, opts.overrides),
+            "fp8": kept_run(opts.runs_file, opts.config, "fp8", opts.steps, opts.overrides, opts.bf16_gemms)}
     seed = load_config(opts.config, opts.overrides).train.seed
-    print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
+    print(f"config {opts.config}, {opts.steps} steps, seed {seed}"
+          + (f"; the fp8 run's {', '.join(opts.bf16_gemms)} on bf16 GEMMs" if opts.bf16_gemms else ""))
     for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
         print(f"step {step + 1:4d}  bf16 {runs['bf16'].losses[step]:.4f}  fp8 {runs['fp8'].losses[step]:.4f}")
     final = {p: statistics.fmean(run.losses[-10:]) for p, run in runs.items()}

@@ -168,9 +168,13 @@ class Trainer:
                 raise LogWriteError(f"cannot write {path}: {err.strerror}") from err
         if config.train.compile != "none":
             self.logger.info(f"torch.compile: {self.compiled}")
-        if fp8 and not blockwise_scaled_mm_supported(self.device):
-            self.logger.info(f"train.precision=fp8: torch's blockwise FP8 scaled_mm does not run on {self.device}; "
-                             "the FP8 GEMMs are emulated (exact, slower)")
+        if fp8:
+            self.logger.info("train.precision=fp8: " + (
+                f"the Linears' FP8 GEMMs run torch's blockwise scaled_mm on {self.device}; the routed experts' "
+                "grouped FP8 GEMMs are emulated (exact, slower: torch has no blockwise grouped kernel)"
+                if blockwise_scaled_mm_supported(self.device) else
+                f"torch's blockwise FP8 scaled_mm does not run on {self.device}; the FP8 GEMMs are emulated "
+                "(exact, slower)"))
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
 

@@ -9,6 +9,7 @@
   under 0.25%; the 400-step demo is a benchmark), the start-up says the GEMMs are emulated on this
   CPU, and a resumed fp8 run continues bit for bit.
 """
+import json
 import random
 
 import pytest
@@ -101,6 +102,15 @@ def test_fp8_training_follows_bf16_and_resumes_bit_for_bit(tmp_path, capsys):
     assert again == [losses[3], losses[4]]
 
 
+def test_where_torch_runs_the_dense_fp8_gemms_the_start_up_says_the_grouped_ones_are_emulated(tmp_path, capsys,
+                                                                                                monkeypatch):
+    monkeypatch.setattr("moe_train.train.blockwise_scaled_mm_supported", lambda device: True)
+    trainer(tmp_path, "fp8", "train.precision=fp8")
+    out = capsys.readouterr().out
+    assert "the Linears' FP8 GEMMs run torch's blockwise scaled_mm on cpu; the routed experts' grouped FP8 GEMMs " \
+           "are emulated" in out and "the FP8 GEMMs are emulated" not in out
+
+
 def test_fp8_refuses_torch_compile():
     with pytest.raises(ConfigError, match="train.compile"):
         load_config(TINY, ["train.precision=fp8", "train.compile=regions"])
@@ -185,3 +195,49 @@ def test_a_dispatched_row_quantizes_back_to_its_own_fp8_values_and_scales():
     print(f"{int(same.sum())} of {same.numel()} tiles kept their scale, the others halved it")
     amax_grid = fp8.quantize_1x128(received)  # without power-of-two scales the values move
     assert not torch.equal(fp8.dequantize(amax_grid), received.float())
+
+
+SMALL_BATCH = ("train.global_batch_size=2", "train.micro_batch_size=2", "train.seq_length=32", "train.eval_iters=1")
+
+
+def test_the_fp8_curve_benchmark_keeps_chosen_groups_on_bf16_gemms(tmp_path, capsys, monkeypatch):
+    """`--bf16-gemms` (the ablation): every group on bf16 GEMMs makes the fp8 run the bf16 run bit for bit
+    (so the groups cover every FP8 GEMM and nothing else differs), one group alone does not."""
+    from benchmarks import fp8_loss_curves
+
+    def curves(*groups: str) -> tuple[list[float], list[float]]:
+        args = ["fp8_loss_curves", "--config", TINY, "--steps", "1", "--set", f"data.cache_dir={tmp_path / 'cache'}",
+                "--set", "data.demo_max_bytes=200000", "--runs-file", str(tmp_path / "runs.json"),
+                *(arg for setting in SMALL_BATCH for arg in ("--set", setting))]
+        monkeypatch.setattr("sys.argv", args + [arg for group in groups for arg in ("--bf16-gemms", group)])
+        fp8_loss_curves.main()
+        runs = {tuple(json.loads(key)[4]) if len(json.loads(key)) > 4 else json.loads(key)[0]: run["losses"]
+                for key, run in json.loads((tmp_path / "runs.json").read_text()).items()}
+        return runs["bf16"], runs[tuple(sorted(groups))]
+
+    bf16, all_bf16 = curves(*fp8_loss_curves.FP8_MODULE_GROUPS)
+    assert "relative error 0.000%" in capsys.readouterr().out
+    assert all_bf16 == bf16
+    _, routed_bf16 = curves("routed experts")
+    print(f"bf16 {bf16}, fp8 with only the routed experts on bf16 GEMMs {routed_bf16}")
+    assert routed_bf16 != bf16
+
+
+def test_the_fp8_gradient_error_benchmark_shows_fp8_gemms_further_from_fp32_than_bf16(tmp_path, capsys):
+    """benchmarks/fp8_gradient_error.py after one step: a row per parameter group, every group whose GEMMs
+    are FP8 has a larger gradient error against fp32 with FP8 GEMMs than with bf16 GEMMs (the
+    README's table is its demo run)."""
+    from benchmarks.fp8_gradient_error import gradient_errors
+
+    gradient_errors(TINY, 1, [f"data.cache_dir={tmp_path / 'cache'}", "data.demo_max_bytes=200000", *SMALL_BATCH])
+    out = capsys.readouterr().out
+    print(out)
+    lines = out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("parameters")) + 1:]
+    rows = {line[:28].strip(): [float(v) for v in line[28:].split()] for line in table}
+    assert set(rows) == {"norms, router, embedding", "attention projections", "routed experts",
+                         "shared experts", "dense MLP", "MTP projection"}
+    for group in ("attention projections", "routed experts", "shared experts", "dense MLP"):
+        bf16_error, fp8_error = rows[group][:2]
+        assert 0 < bf16_error < fp8_error, (group, rows[group])
+    assert any(line.startswith("loss: bf16 ") and "; FP8 against bf16 " in line for line in lines)
