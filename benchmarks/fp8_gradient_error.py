@@ -3,9 +3,9 @@ bf16 GEMMs, both against fp32, at the same weights.
 
 The demo's FP8 run ends 0.5% above bf16 (benchmarks/fp8_loss_curves.py). This separates what the FP8
 GEMMs do to one step from what the trajectory makes of it: the config's model is trained
-`--warm-steps` steps with bf16 GEMMs (train.precision=fp8's bf16 parameters, every GEMM in bf16), then
-the next global batch's forward and backward run once with bf16 GEMMs, once with FP8 GEMMs
-(model.fp8) on those weights, and once in fp32 on the same values. Per group of parameters it prints
+`--warm-steps` steps of its schedule with bf16 GEMMs (train.precision=fp8's bf16 parameters, every
+GEMM in bf16), then the next global batch's forward and backward run once with bf16 GEMMs, once with
+FP8 GEMMs (model.fp8) on those weights, and once in fp32 on the same values. Per group of parameters it prints
 the relative error of the gradient against fp32, |g - g32| / |g32|, and its component along the fp32
 gradient, <g - g32, g32> / |g32|^2 (a systematic scaling of the gradient; zero for noise
 uncorrelated with it), for bf16 and FP8 GEMMs side by side.
@@ -69,7 +69,7 @@ def _losses(trainer: Trainer, batch: list[torch.Tensor]) -> tuple[float, dict[st
 def gradient_errors(config_path: str, warm_steps: int, overrides: list[str]) -> None:
     """Print the loss and the per-group gradient errors of bf16 and FP8 GEMMs against fp32 (module docstring)."""
     with tempfile.TemporaryDirectory() as run_dir:
-        common = [f"train.steps={max(warm_steps, 1)}", "logging.tensorboard=false", "checkpoint.resume=none", *overrides]
+        common = ["logging.tensorboard=false", "checkpoint.resume=none", *overrides]  # the config's own schedule
         low = Trainer(load_config(config_path, ["train.precision=fp8", f"logging.dir={run_dir}/fp8", *common]))
         exact = Trainer(load_config(config_path, ["train.precision=fp32", f"logging.dir={run_dir}/fp32", *common]))
         try:
