@@ -4,10 +4,12 @@ the same seed, data and initialisation; prints both curves every tenth step, the
 of the final training loss (the mean of the last 10 steps) and of the validation loss after training.
 
     python -m benchmarks.fp8_loss_curves [--config moe_train/configs/demo.yaml] [--steps 400] [--runs-file F]
-        [--bf16-gemms GROUP]...
+        [--bf16-gemms GROUP]... [--bf16-swiglu-input]
 
-`--bf16-gemms` (an ablation) keeps one group of FP8_MODULE_GROUPS on bf16 GEMMs in the fp8 run, to see
-how much of the gap that group's FP8 GEMMs make; it may be given more than once.
+Ablations of the fp8 run, to see how much of the gap a part of the recipe makes: `--bf16-gemms` keeps
+one group of FP8_MODULE_GROUPS on bf16 GEMMs (it may be given more than once); `--bf16-swiglu-input`
+keeps the routed experts' SwiGLU input in bf16 and their SwiGLU output saved, as bf16 training does,
+instead of the FP8 cache and recompute of §3.3.3 (their GEMMs stay FP8).
 
 On a CPU the FP8 GEMMs are emulated (exact, slower: model.fp8); each half of the 400-step demo takes
 the better part of an hour on 2 cores. `--runs-file` keeps each finished run in a JSON file, keyed by
@@ -17,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import re
 import statistics
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -52,8 +54,31 @@ def use_bf16_gemms(model: nn.Module, pattern: str, gemms: dict[str, GemmOps] | N
     return former
 
 
-def _bf16_groups(trainer: Trainer, groups: list[str]) -> None:
-    use_bf16_gemms(trainer.model, "|".join(f"({FP8_MODULE_GROUPS[group]})" for group in groups))
+class Bf16SwigluInput(GemmOps):
+    """`fp8`'s GEMMs, with the SwiGLU input of `grouped_activated` kept as bf16 training keeps it
+    (GemmOps': the activation saved, or rebuilt under `moe_act`) instead of model.fp8's FP8 cache."""
+
+    def __init__(self, fp8: GemmOps) -> None:
+        self.fp8 = fp8
+
+    def grouped(self, x, weight, offsets, x_fp8=None):
+        return self.fp8.grouped(x, weight, offsets, x_fp8)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """What the fp8 run keeps as bf16 training has it (none of it: the recipe)."""
+
+    bf16_groups: tuple[str, ...] = ()  # FP8_MODULE_GROUPS on bf16 GEMMs
+    bf16_swiglu_input: bool = False  # the routed experts' SwiGLU input not cached in FP8
+
+    def apply(self, trainer: Trainer) -> None:
+        if self.bf16_groups:
+            use_bf16_gemms(trainer.model, "|".join(f"({FP8_MODULE_GROUPS[group]})" for group in self.bf16_groups))
+        if self.bf16_swiglu_input:
+            for name, module in trainer.model.named_modules():
+                if re.fullmatch(r".+\.mlp\.experts\.down_proj", name):
+                    module.gemms = Bf16SwigluInput(module.gemms)
 
 
 def relative_error(value: float, reference: float) -> float:
@@ -61,10 +86,10 @@ def relative_error(value: float, reference: float) -> float:
 
 
 def kept_run(runs_file: str | None, config: str, precision: str, steps: int, overrides: list[str],
-             bf16_groups: list[str] = ()) -> TrainingRun:
-    """The run from `runs_file` when it holds one with these settings, else a new one (added to the file);
-    `bf16_groups`: FP8_MODULE_GROUPS kept on bf16 GEMMs."""
-    key = json.dumps([precision, config, steps, overrides, *([sorted(bf16_groups)] if bf16_groups else [])])
+             ablation: Ablation = Ablation()) -> TrainingRun:
+    """The run from `runs_file` when it holds one with these settings, else a new one (added to the file)."""
+    ablated = ablation != Ablation()
+    key = json.dumps([precision, config, steps, overrides, *([dataclasses.asdict(ablation)] if ablated else [])])
     kept = {}
     if runs_file and os.path.exists(runs_file):
         with open(runs_file) as f:
@@ -72,8 +97,7 @@ def kept_run(runs_file: str | None, config: str, precision: str, steps: int, ove
     if key in kept:
         print(f"{precision}: the run kept in {runs_file}")
         return TrainingRun(**kept[key])
-    prepare = functools.partial(_bf16_groups, groups=list(bf16_groups)) if bf16_groups else None
-    run = train_run(config, precision, steps, overrides, validate=True, prepare=prepare)
+    run = train_run(config, precision, steps, overrides, validate=True, prepare=ablation.apply if ablated else None)
     if runs_file:
         kept[key] = dataclasses.asdict(run)
         with open(f"{runs_file}.tmp", "w") as f:
@@ -90,12 +114,17 @@ def main() -> None:
     parser.add_argument("--runs-file", help="JSON file keeping finished runs; runs it holds are not trained again")
     parser.add_argument("--bf16-gemms", action="append", default=[], choices=sorted(FP8_MODULE_GROUPS),
                         metavar="GROUP", help=f"keep these modules on bf16 GEMMs in the fp8 run: {', '.join(FP8_MODULE_GROUPS)}")
+    parser.add_argument("--bf16-swiglu-input", action="store_true",
+                        help="keep the routed experts' SwiGLU input in bf16 in the fp8 run (no FP8 cache)")
     opts = parser.parse_args()
+    ablation = Ablation(tuple(sorted(set(opts.bf16_gemms))), opts.bf16_swiglu_input)
     runs = {"bf16": kept_run(opts.runs_file, opts.config, "bf16", opts.steps, opts.overrides),
-            "fp8": kept_run(opts.runs_file, opts.config, "fp8", opts.steps, opts.overrides, opts.bf16_gemms)}
+            "fp8": kept_run(opts.runs_file, opts.config, "fp8", opts.steps, opts.overrides, ablation)}
     seed = load_config(opts.config, opts.overrides).train.seed
+    kept_bf16 = [f"{', '.join(ablation.bf16_groups)} on bf16 GEMMs"] if ablation.bf16_groups else []
+    kept_bf16 += ["the routed experts' SwiGLU input in bf16"] if ablation.bf16_swiglu_input else []
     print(f"config {opts.config}, {opts.steps} steps, seed {seed}"
-          + (f"; the fp8 run's {', '.join(opts.bf16_gemms)} on bf16 GEMMs" if opts.bf16_gemms else ""))
+          + (f"; the fp8 run keeps {' and '.join(kept_bf16)}" if kept_bf16 else ""))
     for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):
         print(f"step {step + 1:4d}  bf16 {runs['bf16'].losses[step]:.4f}  fp8 {runs['fp8'].losses[step]:.4f}")
     final = {p: statistics.fmean(run.losses[-10:]) for p, run in runs.items()}

@@ -201,26 +201,36 @@ SMALL_BATCH = ("train.global_batch_size=2", "train.micro_batch_size=2", "train.s
 
 
 def test_the_fp8_curve_benchmark_keeps_chosen_groups_on_bf16_gemms(tmp_path, capsys, monkeypatch):
-    """`--bf16-gemms` (the ablation): every group on bf16 GEMMs makes the fp8 run the bf16 run bit for bit
-    (so the groups cover every FP8 GEMM and nothing else differs), one group alone does not."""
+    """The ablations: every group on `--bf16-gemms` (with `--bf16-swiglu-input`) makes the fp8 run the bf16
+    run bit for bit (so the groups cover every FP8 GEMM and nothing else differs); one group alone does
+    not, and `--bf16-swiglu-input` alone changes the fp8 run (so it removes the FP8 cache's rounding)."""
     from benchmarks import fp8_loss_curves
 
-    def curves(*groups: str) -> tuple[list[float], list[float]]:
+    def curves(*ablation: str) -> tuple[list[float], list[float]]:
         args = ["fp8_loss_curves", "--config", TINY, "--steps", "1", "--set", f"data.cache_dir={tmp_path / 'cache'}",
                 "--set", "data.demo_max_bytes=200000", "--runs-file", str(tmp_path / "runs.json"),
                 *(arg for setting in SMALL_BATCH for arg in ("--set", setting))]
-        monkeypatch.setattr("sys.argv", args + [arg for group in groups for arg in ("--bf16-gemms", group)])
+        monkeypatch.setattr("sys.argv", args + list(ablation))
         fp8_loss_curves.main()
-        runs = {tuple(json.loads(key)[4]) if len(json.loads(key)) > 4 else json.loads(key)[0]: run["losses"]
+        runs = {json.dumps(json.loads(key)[4:]): [*run["losses"], run["valid_loss"]]
                 for key, run in json.loads((tmp_path / "runs.json").read_text()).items()}
-        return runs["bf16"], runs[tuple(sorted(groups))]
+        print(f"{ablation}: {runs}")
+        return runs["[]"], runs[max(runs, key=len)] if len(runs) > 1 else runs["[]"]
 
-    bf16, all_bf16 = curves(*fp8_loss_curves.FP8_MODULE_GROUPS)
+    every_group = [arg for group in fp8_loss_curves.FP8_MODULE_GROUPS for arg in ("--bf16-gemms", group)]
+    bf16, all_bf16 = curves(*every_group, "--bf16-swiglu-input")
     assert "relative error 0.000%" in capsys.readouterr().out
     assert all_bf16 == bf16
-    _, routed_bf16 = curves("routed experts")
-    print(f"bf16 {bf16}, fp8 with only the routed experts on bf16 GEMMs {routed_bf16}")
+    (tmp_path / "runs.json").unlink()
+    _, routed_bf16 = curves("--bf16-gemms", "routed experts")
     assert routed_bf16 != bf16
+    (tmp_path / "runs.json").unlink()
+    _, swiglu_bf16 = curves("--bf16-swiglu-input")
+    (tmp_path / "runs.json").unlink()
+    _, fp8 = curves()
+    print(f"bf16 {bf16}, fp8 {fp8}, with the routed experts on bf16 GEMMs {routed_bf16}, with their SwiGLU "
+          f"input in bf16 {swiglu_bf16}")
+    assert len({bf16[-1], fp8[-1], swiglu_bf16[-1]}) == 3  # the validation loss after the step
 
 
 def test_the_fp8_gradient_error_benchmark_shows_fp8_gemms_further_from_fp32_than_bf16(tmp_path, capsys):
