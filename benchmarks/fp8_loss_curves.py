@@ -25,9 +25,11 @@ import re
 import statistics
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from benchmarks.bf16_loss_curves import TrainingRun, train_run
+from model.fp8 import Fp8Tensor
 from model.layers import GemmOps
 from moe_train.config import load_config
 from moe_train.train import Trainer
@@ -61,7 +63,8 @@ class Bf16SwigluInput(GemmOps):
     def __init__(self, fp8: GemmOps) -> None:
         self.fp8 = fp8
 
-    def grouped(self, x, weight, offsets, x_fp8=None):
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         return self.fp8.grouped(x, weight, offsets, x_fp8)
 
 
