@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.fp8_loss_curves import FP8_MODULE_GROUPS, use_bf16_gemms
 from moe_train.config import load_config
-from moe_train.train import Trainer, mtp_loss_scale
+from moe_train.train import Trainer
 from parallel.mixed_precision import current_grad, release_grads
 
 OTHER = "norms, router, embedding"  # the parameters no FP8 GEMM computes with (and the head's)
@@ -58,9 +58,7 @@ class GradientError:
 
 def _losses(trainer: Trainer, batch: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
     """The batch's loss and every parameter's gradient (fp32 copies), the gradient buffers reset after."""
-    with trainer.model.gemms.weights_fixed():
-        losses = trainer._forward_backward(batch, mtp_loss_scale(trainer.step, trainer.cfg.optim, trainer.cfg.model))
-    trainer.grads.finish()
+    losses = trainer.compute_gradients(batch)
     grads = {name: current_grad(p).detach().float().clone() for name, p in trainer.model.named_parameters()}
     release_grads(trainer.model.parameters())
     return float(losses["loss"]), grads

@@ -408,14 +408,17 @@ class Trainer:
         """Whether the next step's whole batch fits in the samples to train (train.steps x global batch)."""
         return self.sampler.consumed_samples + self.batch_size() <= self.end_samples
 
-    def compute_gradients(self) -> dict[str, torch.Tensor]:
-        """Forward and backward of the next global batch (batch_size), gradients reduced over data parallelism
-        (by the pipeline as their gradients become final, else here afterwards). The weights are fixed
+    def compute_gradients(self, micro_batches: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Forward and backward of the next global batch (batch_size), or of this rank's `micro_batches` when
+        given (benchmarks.fp8_gradient_error: one batch on two trainers), gradients reduced over data
+        parallelism (by the pipeline as their gradients become final, else here afterwards). The weights are fixed
         meanwhile, so FP8 GEMMs quantize each once for every micro-batch (model.fp8). The batch counts as
         consumed once apply_update has stepped."""
         with self.model.gemms.weights_fixed():
-            losses = self._forward_backward(self.sampler.microbatches(self.batch_size()),
-                                            mtp_loss_scale(self.progress(), self.cfg.optim, self.cfg.model))
+            if micro_batches is None:
+                micro_batches = self.sampler.microbatches(self.batch_size())
+            losses = self._forward_backward(micro_batches, mtp_loss_scale(self.progress(), self.cfg.optim,
+                                                                          self.cfg.model))
         if self.pipeline is None:
             self.grads.finish()
         return losses
