@@ -25,8 +25,8 @@ What this module owns:
 - **The blockwise GEMM**, a @ b^T with both operands tiled along the contraction dimension: torch's
   blockwise `scaled_mm` on a device that runs it (`blockwise_scaled_mm_supported`), otherwise an
   exact emulation: dequantize per tile, one FP32 GEMM per 128-wide chunk of K, partial sums
-  accumulated in FP32 (the paper promotes to FP32 every 128 elements of K). The grouped GEMMs are
-  emulated on every device in this increment.
+  accumulated in FP32 (the paper promotes to FP32 every 128 elements of K). torch has no blockwise
+  grouped kernel: on a device that runs the dense one, the grouped GEMMs run it once per group.
 - **FP8 activation caching.** The Functions save the FP8 tensors the backward consumes (the input
   in the 128x1 tiling, the weight in 128x128 blocks), never a high-precision copy of the input. The
   routed experts' down projection caches its SwiGLU's input (1x128 tiles) and recomputes the SwiGLU
@@ -54,6 +54,8 @@ QUANTIZE_CHUNK = 1 << 24
 scaled values, 8 bytes per element) are then bounded by this, not by the tensor (a fused kernel
 would have none)."""
 MIN_SCALE = 2.0 ** -126  # fp32's smallest normal
+KERNEL_ROWS = 16
+"""torch's blockwise kernel takes rows (and a 1x128-tiled second operand's rows) in multiples of this."""
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -235,7 +237,7 @@ def emulated_fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.b
 def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a [M, K] (1x128 tiles) @ b [N, K]^T (128x128 blocks, or 1x128 tiles for the weight gradient)
     -> [M, N] in `out_dtype`: torch's blockwise kernel where it runs these operands, else the emulation."""
-    if _kernel_takes(a, b, out_dtype) and blockwise_scaled_mm_supported(a.data.device):
+    if _kernel_takes(a, b) and blockwise_scaled_mm_supported(a.data.device, out_dtype):
         return _torch_blockwise_mm(a, b, out_dtype)
     return emulated_fp8_mm(a, b, out_dtype)
 
@@ -243,9 +245,15 @@ def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) 
 def fp8_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a [M, K] (1x128 tiles, rows sorted by group) times b [G, N, K] (128x128 blocks per group):
-    row r of group g is a_r @ b_g^T. Emulated: per 128-wide chunk of K one FP32 grouped GEMM,
-    the partial sums accumulated in FP32."""
+    row r of group g is a_r @ b_g^T. Where the device runs torch's blockwise kernel, one kernel GEMM
+    per non-empty group (the group sizes are read on the host: one synchronisation per grouped GEMM);
+    else emulated: per 128-wide chunk of K one FP32 grouped GEMM, the partial sums accumulated in FP32."""
     _check_operands(a, b)
+    if _grouped_kernel_takes(a, b) and blockwise_scaled_mm_supported(a.data.device, out_dtype):
+        out = torch.zeros(a.shape[0], b.shape[-2], dtype=out_dtype, device=a.data.device)
+        for group, rows in _group_slices(offsets.tolist()):
+            out[rows] = _torch_blockwise_mm(_kernel_rows(a, rows), _group(b, group), out_dtype)[:rows.stop - rows.start]
+        return out
     out = torch.zeros(a.shape[0], b.shape[-2], device=a.data.device)
     with torch.autocast(a.data.device.type, enabled=False):
         for a_chunk, b_chunk in zip(dequantized_chunks(a), dequantized_chunks(b)):
@@ -256,14 +264,56 @@ def fp8_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor,
 def fp8_grouped_weight_grad(a: Fp8Tensor, b: Fp8Tensor, tile_groups: torch.Tensor, num_groups: int,
                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per group g: a_g @ b_g^T -> [G, N, K], from a [N, R] (grad_y) and b [K, R] (x), both from
-    `quantize_128x1_grouped`: tile t of 128 rows belongs to group tile_groups[t]. Emulated: one FP32
-    GEMM per tile, added in FP32 into its group's gradient (a group with no rows gets zeros)."""
+    `quantize_128x1_grouped`: tile t of 128 rows belongs to group tile_groups[t], a group's tiles
+    consecutive. Where the device runs torch's blockwise kernel, one kernel GEMM per group over its
+    tiles (their groups read on the host; the last group's also covers the all-zero tiles past the
+    groups, at most G - 1); else emulated: one FP32 GEMM per tile, added in FP32 into
+    its group's gradient. A group with no rows gets zeros."""
     _check_operands(a, b)
     out = torch.zeros(num_groups, a.shape[0], b.shape[0], device=a.data.device)
+    if _kernel_takes(a, b) and blockwise_scaled_mm_supported(a.data.device, out_dtype):
+        tile_ends = torch.bincount(tile_groups, minlength=num_groups).cumsum(0) * TILE
+        for group, columns in _group_slices(tile_ends.tolist()):
+            out[group] = _torch_blockwise_mm(_tile_columns(a, columns), _tile_columns(b, columns), out_dtype)
+        return out.to(out_dtype)
     with torch.autocast(a.data.device.type, enabled=False):
         for tile, (a_chunk, b_chunk) in enumerate(zip(dequantized_chunks(a), dequantized_chunks(b))):
             out.index_add_(0, tile_groups[tile:tile + 1], (a_chunk @ b_chunk.t()).unsqueeze(0))
     return out.to(out_dtype)
+
+
+def _grouped_kernel_takes(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """The grouped GEMMs torch's blockwise kernel runs group by group (a group's rows are padded to the
+    kernel's row multiple): whole 128-wide K tiles and whole 128-row weight blocks."""
+    return a.data.dim() == 2 and b.data.dim() == 3 and a.shape[-1] % TILE == 0 and b.shape[-2] % TILE == 0
+
+
+def _group_slices(ends: list[int]) -> Iterator[tuple[int, slice]]:
+    """(group, its slice) of every non-empty group, from the groups' cumulative ends."""
+    start = 0
+    for group, stop in enumerate(ends):
+        if stop > start:
+            yield group, slice(start, stop)
+        start = stop
+
+
+def _group(b: Fp8Tensor, group: int) -> Fp8Tensor:
+    return Fp8Tensor(b.data[group], b.scale[group], b.block_rows)
+
+
+def _kernel_rows(a: Fp8Tensor, rows: slice) -> Fp8Tensor:
+    """Rows `rows` of a 1x128-tiled matrix, zero rows (scale 1) appended up to the kernel's row multiple."""
+    data, scale = a.data[rows], a.scale[rows]
+    missing = -data.shape[0] % KERNEL_ROWS
+    if missing:
+        data = torch.cat([data, data.new_zeros(missing, data.shape[1])])
+        scale = torch.cat([scale, scale.new_ones(missing, scale.shape[1])])
+    return Fp8Tensor(data, scale, 1)
+
+
+def _tile_columns(q: Fp8Tensor, columns: slice) -> Fp8Tensor:
+    """Columns `columns` (whole 128-wide tiles) of a 1x128-tiled matrix, with their scales."""
+    return Fp8Tensor(q.data[:, columns], q.scale[:, columns.start // TILE:columns.stop // TILE], 1)
 
 
 def _has_blockwise_scaled_mm() -> bool:
@@ -272,16 +322,17 @@ def _has_blockwise_scaled_mm() -> bool:
         hasattr(scaling, name) for name in ("BlockWise1x128", "BlockWise128x128"))
 
 
-def _kernel_takes(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
+def _kernel_takes(a: Fp8Tensor, b: Fp8Tensor) -> bool:
     """The shapes torch's blockwise kernel is used for: whole 128-wide K tiles, whole 128-row weight
-    blocks, 16-aligned rows, a bf16 output; everything else is emulated."""
-    return (out_dtype == torch.bfloat16 and a.data.dim() == b.data.dim() == 2 and a.shape[-1] % TILE == 0
-            and a.shape[0] % 16 == 0 and b.shape[0] % (TILE if b.block_rows == TILE else 16) == 0)
+    blocks, 16-aligned rows; everything else is emulated."""
+    return (a.data.dim() == b.data.dim() == 2 and a.shape[-1] % TILE == 0 and a.shape[0] % KERNEL_ROWS == 0
+            and b.shape[0] % (TILE if b.block_rows == TILE else KERNEL_ROWS) == 0)
 
 
 def _torch_blockwise_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """torch's `scaled_mm` with the scale layouts its blockwise recipes take: a 1x128 scale [M, K/128]
-    column-major; a 128x128 scale [K/128 rounded up to 4, N/128] column-major (padded with ones)."""
+    """torch's `scaled_mm` in the layouts its blockwise recipes take: a row-major and b column-major (a
+    transposed weight, the Dgrad's, is copied into that layout); a 1x128 scale [M, K/128] column-major;
+    a 128x128 scale [K/128 rounded up to 4, N/128] column-major (padded with ones)."""
     scaling = F.ScalingType
     scale_a = a.scale.t().contiguous().t()
     if b.block_rows == TILE:
@@ -290,20 +341,32 @@ def _torch_blockwise_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> t
         recipe_b = scaling.BlockWise128x128
     else:
         scale_b, recipe_b = b.scale.t().contiguous().t(), scaling.BlockWise1x128
-    return F.scaled_mm(a.data, b.data.t(), scale_a, scaling.BlockWise1x128, scale_b, recipe_b,
-                       output_dtype=out_dtype)
+    return F.scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a, scaling.BlockWise1x128, scale_b,
+                       recipe_b, output_dtype=out_dtype)
 
 
-def blockwise_scaled_mm_supported(device: torch.device | str) -> bool:
-    """Whether torch's blockwise FP8 `scaled_mm` runs on `device` and agrees with the emulation, for
-    both recipes the GEMMs use (1x128 x 128x128 and 1x128 x 1x128). Probed once per device on a tiny
-    input; a refusal (the CPU build's, or a GPU's without sm_90 support) means False."""
+def blockwise_scaled_mm_supported(device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether torch's blockwise FP8 `scaled_mm` runs on `device` with `out_dtype` output and agrees
+    with the emulation, for both recipes the GEMMs use (1x128 x 128x128 and 1x128 x 1x128), a weight and
+    a transposed weight. Probed once per device and output dtype on a tiny input; a refusal (the CPU
+    build's, or a GPU's without sm_90 support) means False."""
     device = torch.device(device)
-    return _probe_blockwise_kernel(device.type, device.index)
+    return _probe_blockwise_kernel(device.type, device.index, out_dtype)
+
+
+def fp8_gemm_backend(device: torch.device | str) -> str:
+    """One line for the start-up log: which FP8 GEMMs run torch's kernel on `device` and which the emulation."""
+    if not blockwise_scaled_mm_supported(device):
+        return f"torch's blockwise FP8 scaled_mm does not run on {device}; the FP8 GEMMs are emulated (exact, slower)"
+    weight_grads = ("the weight gradients too (fp32 output)" if blockwise_scaled_mm_supported(device, torch.float32)
+                    else "the weight gradients are emulated (the kernel gives no fp32 output here)")
+    return (f"the FP8 GEMMs run torch's blockwise scaled_mm on {device}, {weight_grads}; the routed experts' grouped "
+            "GEMMs one kernel GEMM per expert, reading the group sizes on the host; shapes the kernel does not take "
+            "(K not a multiple of 128, weights not of 128 rows) are emulated")
 
 
 @functools.cache
-def _probe_blockwise_kernel(device_type: str, index: int | None) -> bool:
+def _probe_blockwise_kernel(device_type: str, index: int | None, out_dtype: torch.dtype) -> bool:
     if not _has_blockwise_scaled_mm():
         return False
     gen = torch.Generator().manual_seed(0)
@@ -317,8 +380,8 @@ def _probe_blockwise_kernel(device_type: str, index: int | None) -> bool:
     a = quantize_1x128(tiled_randn(128, 256))
     weight = tiled_randn(256, 256)
     try:
-        for b in (quantize_128x128(weight), quantize_1x128(weight)):
-            got = _torch_blockwise_mm(a, b, torch.bfloat16).float()
+        for b in (quantize_128x128(weight), quantize_128x128(weight).t(), quantize_1x128(weight)):
+            got = _torch_blockwise_mm(a, b, out_dtype).float()
             want = emulated_fp8_mm(a, b, torch.float32)
             if not torch.allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item()):
                 return False
@@ -506,9 +569,9 @@ class Fp8GemmOps(GemmOps):
     values, and one process quantizes these inputs as an EP layout does.
 
     The gate/up GEMM then takes the dispatched rows themselves (`grouped`'s `x_fp8`) and skips that
-    second quantization. Its Fprop (emulated on every device) multiplies dequantized fp32 tiles, and the dispatched rows
-    dequantize to the values x has, bit for bit: so the output is the one quantizing x gives, for
-    every tile. That includes the tiles whose amax is under the dispatch's amax floor (1e-4, DeepEP's
+    second quantization. The dispatched rows dequantize to the values x has, bit for bit, and the two
+    tilings differ only by powers of two (exact in the scales and the products): so the output is the
+    one quantizing x gives, for every tile. That includes the tiles whose amax is under the dispatch's amax floor (1e-4, DeepEP's
     rule, parallel.dispatch.fp8), which travel with scale 2^-22 where quantizing x picks a power of
     two no larger (scale 1 for a zero tile): other codes and scale, the same values (a code times 2^k
     stays an E4M3 code, and that scale keeps it within 448), zeros staying zeros."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from model.flops import training_flops_per_token
-from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
+from model.fp8 import Fp8GemmOps, fp8_gemm_backend
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
 from moe_train.batch_ramp import batch_ramp
@@ -169,12 +169,7 @@ class Trainer:
         if config.train.compile != "none":
             self.logger.info(f"torch.compile: {self.compiled}")
         if fp8:
-            self.logger.info("train.precision=fp8: " + (
-                f"the Linears' FP8 GEMMs run torch's blockwise scaled_mm on {self.device}; the routed experts' "
-                "grouped FP8 GEMMs are emulated (exact, slower: torch has no blockwise grouped kernel)"
-                if blockwise_scaled_mm_supported(self.device) else
-                f"torch's blockwise FP8 scaled_mm does not run on {self.device}; the FP8 GEMMs are emulated "
-                "(exact, slower)"))
+            self.logger.info("train.precision=fp8: " + fp8_gemm_backend(self.device))
         self.flops_per_token = training_flops_per_token(config.model, config.train.seq_length,
                                                         with_mtp=config.model.mtp_num_layers > 0)
 

@@ -102,13 +102,20 @@ def test_fp8_training_follows_bf16_and_resumes_bit_for_bit(tmp_path, capsys):
     assert again == [losses[3], losses[4]]
 
 
-def test_where_torch_runs_the_dense_fp8_gemms_the_start_up_says_the_grouped_ones_are_emulated(tmp_path, capsys,
-                                                                                                monkeypatch):
-    monkeypatch.setattr("moe_train.train.blockwise_scaled_mm_supported", lambda device: True)
+@pytest.mark.parametrize("fp32_output", [True, False])
+def test_where_torch_runs_the_fp8_gemms_the_start_up_says_which_do(tmp_path, capsys, monkeypatch, fp32_output):
+    monkeypatch.setattr("model.fp8.blockwise_scaled_mm_supported",
+                        lambda device, out_dtype=torch.bfloat16: fp32_output or out_dtype == torch.bfloat16)
     trainer(tmp_path, "fp8", "train.precision=fp8")
     out = capsys.readouterr().out
-    assert "the Linears' FP8 GEMMs run torch's blockwise scaled_mm on cpu; the routed experts' grouped FP8 GEMMs " \
-           "are emulated" in out and "the FP8 GEMMs are emulated" not in out
+    weight_grads = "the weight gradients too" if fp32_output else "the weight gradients are emulated"
+    assert f"the FP8 GEMMs run torch's blockwise scaled_mm on cpu, {weight_grads}" in out
+    assert "the routed experts' grouped GEMMs one kernel GEMM per expert" in out
+
+
+def test_where_torch_does_not_run_them_the_start_up_says_they_are_emulated(tmp_path, capsys):
+    trainer(tmp_path, "fp8", "train.precision=fp8")
+    assert "torch's blockwise FP8 scaled_mm does not run on cpu; the FP8 GEMMs are emulated" in capsys.readouterr().out
 
 
 def test_fp8_refuses_torch_compile():

@@ -32,5 +32,6 @@ def test_the_fp8_gemm_benchmark_prints_a_line_per_shape():
     assert "cpu: FP8 GEMMs through the emulation (no blockwise kernel)" in out
     lines = [l for l in out.splitlines() if "TFLOP/s" in l]
     assert [l.split(" K ")[0].strip() for l in lines] == ["q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj",
-                                                         "expert gate_up", "expert down"]
-    assert all("fp8 / bf16 speed" in l for l in lines)
+                                                         "expert gate_up", "expert down", "expert gate_up x4",
+                                                         "expert down x4"]
+    assert all("fp8 / bf16 speed" in l for l in lines) and all("(grouped, 32 rows each)" in l for l in lines[-2:])
