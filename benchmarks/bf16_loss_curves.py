@@ -5,12 +5,12 @@ trained with `train.precision=bf16` and with `fp32`, and how far apart they are.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from benchmarks.training_options import training_parser
 from moe_train.config import load_config
 from moe_train.train import Trainer
 
@@ -52,11 +52,7 @@ def curve_difference(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    opts = parser.parse_args()
+    opts = training_parser(__doc__.splitlines()[0], steps=100).parse_args()
     curves = {p: loss_curve(opts.config, p, opts.steps, opts.overrides) for p in ("fp32", "bf16")}
     seed = load_config(opts.config, opts.overrides).train.seed
     print(f"config {opts.config}, {opts.steps} steps, seed {seed}")

@@ -5,9 +5,8 @@ trained with `optim.moment_dtype=bf16` and with `fp32`, and how far apart they a
 """
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.bf16_loss_curves import loss_curve, print_curves
+from benchmarks.training_options import training_parser
 from moe_train.config import load_config
 
 MOMENT_DTYPES = ("fp32", "bf16")
@@ -21,11 +20,7 @@ def moment_curves(config_path: str, steps: int, overrides: list[str]) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    opts = parser.parse_args()
+    opts = training_parser(__doc__.splitlines()[0], steps=100).parse_args()
     curves = moment_curves(opts.config, opts.steps, opts.overrides)
     config = load_config(opts.config, opts.overrides)
     print(f"config {opts.config}, {opts.steps} steps, seed {config.train.seed}, precision {config.train.precision}")

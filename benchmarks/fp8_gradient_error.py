@@ -14,7 +14,6 @@ uncorrelated with it), for bf16 and FP8 GEMMs side by side.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import tempfile
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.fp8_loss_curves import FP8_MODULE_GROUPS, use_bf16_gemms
+from benchmarks.training_options import training_parser
 from moe_train.config import load_config
 from moe_train.train import Trainer
 from parallel.mixed_precision import current_grad, release_grads
@@ -104,11 +104,7 @@ def gradient_errors(config_path: str, warm_steps: int, overrides: list[str]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
-    parser.add_argument("--warm-steps", type=int, default=150)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    opts = parser.parse_args()
+    opts = training_parser(__doc__.splitlines()[0], steps=150, steps_flag="--warm-steps").parse_args()
     gradient_errors(opts.config, opts.warm_steps, opts.overrides)
 
 

@@ -17,7 +17,6 @@ precision, config, steps and overrides, and a later invocation trains only the r
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from benchmarks.bf16_loss_curves import TrainingRun, train_run
+from benchmarks.training_options import training_parser
 from model.fp8 import Fp8Tensor
 from model.layers import GemmOps
 from moe_train.config import load_config
@@ -110,10 +110,7 @@ def kept_run(runs_file: str | None, config: str, precision: str, steps: int, ove
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="moe_train/configs/demo.yaml")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser = training_parser(__doc__.splitlines()[0], steps=400)
     parser.add_argument("--runs-file", help="JSON file keeping finished runs; runs it holds are not trained again")
     parser.add_argument("--bf16-gemms", action="append", default=[], choices=sorted(FP8_MODULE_GROUPS),
                         metavar="GROUP", help=f"keep these modules on bf16 GEMMs in the fp8 run: {', '.join(FP8_MODULE_GROUPS)}")

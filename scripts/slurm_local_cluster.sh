@@ -45,23 +45,26 @@ running_pid() {
     [[ $pid =~ ^[0-9]+$ ]] && proc_alive "$pid" "$2" && echo "$pid"
 }
 
+# Waits up to $3 tenths of a second for process $1 (daemon $2) to exit; fails if it is still alive.
+await_exit() {
+    local i
+    for ((i = 0; i < $3; i++)); do
+        proc_alive "$1" "$2" || return 0
+        sleep 0.1
+    done
+    return 1
+}
+
 # Stops the daemon named $2 whose PID file is $1: SIGTERM, then SIGKILL after 15 s. The PID is
 # read before signalling because the daemons delete their PID files as they exit.
 stop_daemon() {
-    local pid i
+    local pid
     pid=$(running_pid "$1" "$2") || return 0
     kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < 150; i++)); do
-        proc_alive "$pid" "$2" || return 0
-        sleep 0.1
-    done
+    await_exit "$pid" "$2" 150 && return 0
     log "$2 (pid $pid) ignored SIGTERM for 15 s; sending SIGKILL"
     kill -KILL "$pid" 2>/dev/null || true
-    for ((i = 0; i < 50; i++)); do
-        proc_alive "$pid" "$2" || return 0
-        sleep 0.1
-    done
-    die "$2 (pid $pid) survived SIGKILL"
+    await_exit "$pid" "$2" 50 || die "$2 (pid $pid) survived SIGKILL"
 }
 
 slurm_running() {

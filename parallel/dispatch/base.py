@@ -152,6 +152,21 @@ class Plan(ReceivedFp8Rows):
         return list(fields)
 
 
+def save_local_ids(ctx: Any, local: torch.Tensor) -> None:
+    """A dispatch's forward keeps the received slots' local expert ids (-1: no expert on this rank)
+    for ``local_weight_grad``; they take no gradient."""
+    ctx.save_for_backward(local)
+    ctx.mark_non_differentiable(local)
+
+
+def local_weight_grad(ctx: Any, grad_weights: torch.Tensor) -> torch.Tensor:
+    """The received routing weights' gradient, zero on the slots of no local expert. Unused outputs
+    get zero gradients (materialised by autograd), so both gradients always travel back and every
+    rank sends records of the same size."""
+    (local,) = ctx.saved_tensors
+    return grad_weights.masked_fill(local < 0, 0)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: ExchangeDispatcher, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -167,16 +182,12 @@ class _Dispatch(torch.autograd.Function):
         local = to_local_expert_ids(received[-2].to(topk_idx.dtype), backend.rank, backend.experts_per_rank)
         recv_weights = received[-1].masked_fill(local < 0, 0)
         ctx.backend, ctx.plan = backend, plan
-        ctx.save_for_backward(local)
-        ctx.mark_non_differentiable(local)
+        save_local_ids(ctx, local)
         return recv_x, local, recv_weights, counts, plan
 
     @staticmethod
     def backward(ctx, grad_x, _idx, grad_weights, _counts, _handle):
-        (local,) = ctx.saved_tensors
-        # Unused outputs get zero gradients (materialised by autograd), so both gradients always
-        # travel and every rank packs records of the same size.
-        grad_weights = grad_weights.masked_fill(local < 0, 0)
+        grad_weights = local_weight_grad(ctx, grad_weights)
         grad_x, grad_weights = ctx.plan.reverse([grad_x, grad_weights], ctx.backend.traffic)
         return None, grad_x, grad_weights, None, None
 

@@ -34,7 +34,8 @@ import torch
 from kernels_cuda.config import Config, InternodeConfig
 from model.dispatcher import Layout
 from model.fp8 import Fp8Tensor
-from parallel.dispatch.base import COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic
+from parallel.dispatch.base import (COMBINE, DISPATCH, INTER_NODE, INTRA_NODE, Traffic, local_weight_grad,
+                                     save_local_ids)
 from parallel.dispatch.fp8 import ReceivedFp8Rows, dequantize_e4m3, quantize_e4m3
 from parallel.dispatch.handles import OverlapSwitch, StreamHandle, WorkHandle
 from parallel.dispatch.layout import compute_layout
@@ -148,16 +149,13 @@ class _Dispatch(torch.autograd.Function):
                               fp8_rows=Fp8Tensor(recv[0], recv[1], 1) if backend.fp8 else None)
         backend.count(DISPATCH, native.dispatch_rows, backend.dispatch_row_bytes(x, topk_idx, topk_weights))
         ctx.backend, ctx.native, ctx.weights_dtype = backend, native, topk_weights.dtype
-        ctx.save_for_backward(local)
-        ctx.mark_non_differentiable(local)
+        save_local_ids(ctx, local)
         return recv_x, local, recv_w, counts, native
 
     @staticmethod
     def backward(ctx, grad_x, _idx, grad_weights, _counts, _handle):
-        (local,) = ctx.saved_tensors
         backend, native = ctx.backend, ctx.native
-        # Both gradients always travel (autograd materialises unused ones as zeros), as in base.py.
-        grad_weights = grad_weights.masked_fill(local < 0, 0)
+        grad_weights = local_weight_grad(ctx, grad_weights)
         grad_x = grad_x.contiguous()
         backend.check_payload(grad_x)
         buffer = backend.buffer_for(grad_x, native.num_topk)

@@ -1,36 +1,41 @@
 """Schedule builders (compute actions only) and the name -> builder registry.
 
-Every builder has the signature ``(ranks, microbatches, virtual_stages=None, costs=None) ->
-Schedule``; ``virtual_stages`` is the number of stages per rank (None: the builder's default)
-and ``costs`` only matters for cost-driven builders (zb-h2, zb-auto). Builders reject unsupported sizes
-with a ValueError whose message starts with the offending parameter's name.
+Every builder is a ``ScheduleBuilder`` (see ``shape``), called as ``(ranks, microbatches,
+virtual_stages=None, costs=None) -> Schedule``; ``virtual_stages`` is the number of stages per
+rank (None: the builder's default) and ``costs`` only matters for cost-driven builders (zb-h2,
+zb-auto), which also take their own memory option. The registered builder checks the sizes every
+schedule shares, then hands a ``Shape`` to the schedule's program maker, which checks its own
+requirements. Unsupported sizes raise a ValueError whose message starts with the offending
+parameter's name.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from ..ir import Schedule
 from ..timeline import Costs
 from .dualpipe import build_dualpipe, build_dualpipev
 from .one_f_one_b import build_1f1b, build_combined_1f1b, build_interleaved_1f1b
+from .shape import ScheduleBuilder
 from .zb_auto import build_zb_auto
 from .zb_interleaved import build_zb_interleaved
 from .zbv import build_zbv
 from .zero_bubble import build_zb_h1, build_zb_h2
 
-Builder = Callable[[int, int, Optional[int], Optional[Costs]], Schedule]
-
-BUILDERS: dict[str, Builder] = {
-    "1f1b": build_1f1b,
-    "combined-1f1b": build_combined_1f1b,
-    "interleaved-1f1b": build_interleaved_1f1b,
-    "zb-h1": build_zb_h1,
-    "zb-h2": build_zb_h2,
-    "zb-auto": build_zb_auto,
-    "zb-interleaved": build_zb_interleaved,
-    "zbv": build_zbv,
-    "dualpipe": build_dualpipe,
-    "dualpipev": build_dualpipev,
+BUILDERS: dict[str, ScheduleBuilder] = {
+    builder.name: builder
+    for builder in (
+        build_1f1b,
+        build_combined_1f1b,
+        build_interleaved_1f1b,
+        build_zb_h1,
+        build_zb_h2,
+        build_zb_auto,
+        build_zb_interleaved,
+        build_zbv,
+        build_dualpipe,
+        build_dualpipev,
+    )
 }
 
 SCHEDULES = tuple(BUILDERS)

@@ -17,24 +17,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from ..ir import Action, Placement, Schedule, fb
+from ..ir import Action, fb
 from ..timeline import Costs
-from .common import backward, check_sizes, forward, require, weight
+from .common import backward, forward, require, weight
+from .shape import Programs, ScheduleBuilder, Shape
 
 
-def build_dualpipe(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _dualpipe(shape: Shape, costs: Optional[Costs]) -> Programs:
     """DualPipe over R = PP ranks and PP stages; micro-batches 0..N/2-1 enter at rank 0 and flow
     to rank PP-1 (direction 0), N/2..N-1 enter at rank PP-1 (direction 1, mirrored stages).
 
     Rank r and rank PP-1-r run the same program with the directions swapped. Requirements: ranks
     even, microbatches even and >= 2*ranks, virtual_stages 1.
     """
-    check_sizes("dualpipe", ranks, microbatches, virtual_stages, 1)
+    ranks, microbatches = shape.ranks, shape.microbatches
     require(ranks % 2 == 0, "ranks", f"dualpipe needs an even number of ranks, got {ranks}")
     require(
         microbatches % 2 == 0 and microbatches >= 2 * ranks,
@@ -51,32 +47,28 @@ def build_dualpipe(
         offsets = tuple(d * per_direction for d in directions)
         depth = min(rank, ranks - 1 - rank)
         programs.append(_eight_phases(depth, half, per_direction, stages, offsets))
-    placement = Placement("mirror", ranks, ranks)
-    return Schedule("dualpipe", placement, microbatches, tuple(programs))
+    return tuple(programs)
 
 
-def build_dualpipev(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _dualpipev(shape: Shape, costs: Optional[Costs]) -> Programs:
     """DualPipeV: R ranks hold 2R stages in V order (rank r: stages r and 2R-1-r); every
     micro-batch enters and leaves at rank 0. Requirements: microbatches >= 2*ranks,
     virtual_stages 2.
     """
-    check_sizes("dualpipev", ranks, microbatches, virtual_stages, 2)
+    ranks, microbatches = shape.ranks, shape.microbatches
     require(
         microbatches >= 2 * ranks,
         "microbatches",
         f"dualpipev needs microbatches >= 2*ranks = {2 * ranks}, got {microbatches}",
     )
-    programs = tuple(
+    return tuple(
         _eight_phases(rank, ranks, microbatches, (rank, 2 * ranks - 1 - rank), (0, 0))
         for rank in range(ranks)
     )
-    placement = Placement("v", ranks, 2 * ranks)
-    return Schedule("dualpipev", placement, microbatches, programs)
+
+
+build_dualpipe = ScheduleBuilder("dualpipe", "mirror", _dualpipe)
+build_dualpipev = ScheduleBuilder("dualpipev", "v", _dualpipev, stages_per_rank=2)
 
 
 def _eight_phases(

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Action, Placement, Schedule, fb
+from ..ir import Action, fb
 from ..timeline import Costs
-from .common import backward, check_sizes, forward, require
+from .common import backward, forward, require
+from .shape import Programs, ScheduleBuilder, Shape
 
 
-def build_1f1b(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _one_f_one_b(shape: Shape, costs: Optional[Costs]) -> Programs:
     """One stage per rank; rank r runs min(R-1-r, M) warm-up forwards, then alternates F and BW.
 
     Requirements: ranks >= 1, microbatches >= 1, virtual_stages 1.
     """
-    check_sizes("1f1b", ranks, microbatches, virtual_stages, 1)
+    ranks, microbatches = shape.ranks, shape.microbatches
     programs = []
     for rank in range(ranks):
         warmup = min(ranks - 1 - rank, microbatches)
@@ -30,15 +26,10 @@ def build_1f1b(
             backward(rank, m, split=False) for m in range(microbatches - warmup, microbatches)
         ]
         programs.append(tuple(program))
-    return Schedule("1f1b", Placement("loop", ranks, ranks), microbatches, tuple(programs))
+    return tuple(programs)
 
 
-def build_interleaved_1f1b(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _interleaved_1f1b(shape: Shape, costs: Optional[Costs]) -> Programs:
     """V stages per rank in loop order (stage c*R + r on rank r), micro-batches in groups of R.
 
     Rank r runs 2(R-1-r) + (V-1)R warm-up forwards, then 1F1B over its virtual forward and
@@ -46,15 +37,9 @@ def build_interleaved_1f1b(
     walk chunk V-1..0. Requirements: virtual_stages >= 2 (default 2), microbatches a positive
     multiple of ranks.
     """
-    chunks = 2 if virtual_stages is None else virtual_stages
-    require(ranks >= 1, "ranks", f"interleaved-1f1b needs ranks >= 1, got {ranks}")
+    ranks, microbatches, chunks = shape.ranks, shape.microbatches, shape.stages_per_rank
     require(
-        chunks >= 2,
-        "virtual_stages",
-        f"interleaved-1f1b needs virtual_stages >= 2 (use 1f1b for 1), got {virtual_stages}",
-    )
-    require(
-        microbatches >= ranks and microbatches % ranks == 0,
+        microbatches % ranks == 0,
         "microbatches",
         f"interleaved-1f1b needs a positive multiple of ranks={ranks}, got {microbatches}",
     )
@@ -77,16 +62,10 @@ def build_interleaved_1f1b(
             program += [virtual(rank, warmup + k, True), virtual(rank, k, False)]
         program += [virtual(rank, k, False) for k in range(total - warmup, total)]
         programs.append(tuple(program))
-    placement = Placement("loop", ranks, ranks * chunks)
-    return Schedule("interleaved-1f1b", placement, microbatches, tuple(programs))
+    return tuple(programs)
 
 
-def build_combined_1f1b(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _combined_1f1b(shape: Shape, costs: Optional[Costs]) -> Programs:
     """Megatron's "combined 1F1B": 1F1B whose steady state runs FB(F of m+2(R-1-r)+1, BW of m).
 
     An FB hands on its forward output only when both halves are done, so with 1F1B's warm-up
@@ -97,7 +76,7 @@ def build_combined_1f1b(
     2(R-r) micro-batches of activations in flight on rank r, 1F1B's R-r doubled.
     Requirements: as 1f1b.
     """
-    check_sizes("combined-1f1b", ranks, microbatches, virtual_stages, 1)
+    ranks, microbatches = shape.ranks, shape.microbatches
     programs = []
     for rank in range(ranks):
         warmup = min(2 * (ranks - 1 - rank) + 1, microbatches)
@@ -110,5 +89,11 @@ def build_combined_1f1b(
             backward(rank, m, split=False) for m in range(microbatches - warmup, microbatches)
         ]
         programs.append(tuple(program))
-    placement = Placement("loop", ranks, ranks)
-    return Schedule("combined-1f1b", placement, microbatches, tuple(programs))
+    return tuple(programs)
+
+
+build_1f1b = ScheduleBuilder("1f1b", "loop", _one_f_one_b)
+build_interleaved_1f1b = ScheduleBuilder(
+    "interleaved-1f1b", "loop", _interleaved_1f1b, stages_per_rank=2, single_stage_schedule="1f1b"
+)
+build_combined_1f1b = ScheduleBuilder("combined-1f1b", "loop", _combined_1f1b)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..ir import Placement, Schedule
-from ..timeline import Costs, simulate
-from .common import check_sizes, require
-from .zero_bubble import build_zb_h1, build_zb_h2, list_schedules, shortest
+from ..timeline import Costs
+from .common import require
+from .shape import Programs, ScheduleBuilder, Shape
+from .zero_bubble import build_zb_h1, build_zb_h2, list_schedules, loop_timeline, shortest
 
 _EPS = 1e-9
 
@@ -25,33 +25,24 @@ def default_memory_limit(ranks: int) -> float:
     return float(2 * ranks - 1)
 
 
-def build_zb_auto(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-    memory_limit: Optional[float] = None,
-) -> Schedule:
+def _zb_auto(shape: Shape, costs: Optional[Costs], memory_limit: Optional[float] = None) -> Programs:
     """The shortest candidate (see the module docstring) whose peak fits ``memory_limit``
     (default ``default_memory_limit``). Requirements: ranks >= 1, microbatches >= 1,
     virtual_stages 1, memory_limit >= 1 (one forward's activations)."""
-    check_sizes("zb-auto", ranks, microbatches, virtual_stages, 1)
-    limit = default_memory_limit(ranks) if memory_limit is None else float(memory_limit)
+    limit = default_memory_limit(shape.ranks) if memory_limit is None else float(memory_limit)
     require(limit >= 1.0, "memory_limit", f"zb-auto needs memory_limit >= 1, got {memory_limit}")
     costs = costs or Costs()
-    placement = Placement("loop", ranks, ranks)
-    candidates = [
-        Schedule("zb-auto", placement, microbatches, programs)
-        for programs in list_schedules(ranks, microbatches, costs, limit, costs.mem_b)
-    ]
-    handcrafted = [build_zb_h2(ranks, microbatches, None, costs, max_inflight=math.floor(limit))]
-    handcrafted.append(build_zb_h1(ranks, microbatches, None, costs))
+    candidates = list_schedules(shape, costs, limit, costs.mem_b)
+    handcrafted = [build_zb_h2.make(shape, costs, math.floor(limit)), build_zb_h1.make(shape, costs)]
     candidates += [
-        Schedule("zb-auto", placement, microbatches, schedule.programs)
-        for schedule in handcrafted
-        if max(simulate(schedule, costs).peak_activations) <= limit + _EPS
+        programs
+        for programs in handcrafted
+        if max(loop_timeline(programs, shape, costs).peak_activations) <= limit + _EPS
     ]
-    return shortest(candidates, costs)
+    return shortest(candidates, shape, costs)
+
+
+build_zb_auto = ScheduleBuilder("zb-auto", "loop", _zb_auto)
 
 
 def parse_zb_costs(text: str) -> Costs:

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir import Action, Placement, Schedule
+from ..ir import Action
 from ..timeline import Costs
 from .common import backward, forward, require, weight
+from .shape import Programs, ScheduleBuilder, Shape
 
 
-def build_zb_interleaved(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _zb_interleaved(shape: Shape, costs: Optional[Costs]) -> Programs:
     """V stages per rank in loop order (stage c*R + r on rank r); micro-batches run in rounds of
     R' = M / max(1, M // R) per chunk.
 
@@ -24,14 +20,10 @@ def build_zb_interleaved(
     B is followed by the W of the oldest B without one, and the Ws left over close the program.
     Requirements: virtual_stages >= 2 (default 2), microbatches >= 1 and a multiple of max(1, M // R).
     """
-    chunks = 2 if virtual_stages is None else virtual_stages
-    require(ranks >= 1, "ranks", f"zb-interleaved needs ranks >= 1, got {ranks}")
-    require(chunks >= 2, "virtual_stages",
-            f"zb-interleaved needs virtual_stages >= 2 (use zb-h1 for 1), got {virtual_stages}")
+    ranks, microbatches, chunks = shape.ranks, shape.microbatches, shape.stages_per_rank
     rounds = max(1, microbatches // ranks)
-    require(microbatches >= 1 and microbatches % rounds == 0, "microbatches",
-            f"zb-interleaved needs microbatches >= 1 and a multiple of its {rounds} rounds (max(1, M // R)), "
-            f"got {microbatches}")
+    require(microbatches % rounds == 0, "microbatches",
+            f"zb-interleaved needs a multiple of its {rounds} rounds (max(1, M // R)), got {microbatches}")
     per_round = microbatches // rounds
     total = microbatches * chunks
     programs = []
@@ -68,4 +60,9 @@ def build_zb_interleaved(
                 weights_done += 1
         program += [action("W", backward_stage(k)) for k in backwards[weights_done:]]
         programs.append(tuple(program))
-    return Schedule("zb-interleaved", Placement("loop", ranks, ranks * chunks), microbatches, tuple(programs))
+    return tuple(programs)
+
+
+build_zb_interleaved = ScheduleBuilder(
+    "zb-interleaved", "loop", _zb_interleaved, stages_per_rank=2, single_stage_schedule="zb-h1"
+)

@@ -4,17 +4,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional
 
-from ..ir import Action, Placement, Schedule
+from ..ir import Action
 from ..timeline import Costs
-from .common import backward, check_sizes, forward, require, weight
+from .common import backward, forward, require, weight
+from .shape import Programs, ScheduleBuilder, Shape
 
 
-def build_zbv(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _zbv(shape: Shape, costs: Optional[Costs]) -> Programs:
     """Rank r holds chunk 0 = stage r and chunk 1 = stage 2R-1-r.
 
     Per rank: 2(R-r)-1 forwards of chunk 0; r pairs (F1, F0); R-r triples (F1, B1, W1); a steady
@@ -24,14 +20,16 @@ def build_zbv(
     peak activation memory (2R chunks). Requirements: microbatches >= 2*ranks - 1,
     virtual_stages 2.
     """
-    check_sizes("zbv", ranks, microbatches, virtual_stages, 2)
+    ranks, microbatches = shape.ranks, shape.microbatches
     require(
         microbatches >= 2 * ranks - 1,
         "microbatches",
         f"zbv needs microbatches >= 2*ranks-1 = {2 * ranks - 1}, got {microbatches}",
     )
-    programs = tuple(_rank_program(ranks, microbatches, r) for r in range(ranks))
-    return Schedule("zbv", Placement("v", ranks, 2 * ranks), microbatches, programs)
+    return tuple(_rank_program(ranks, microbatches, r) for r in range(ranks))
+
+
+build_zbv = ScheduleBuilder("zbv", "v", _zbv, stages_per_rank=2)
 
 
 def _rank_program(ranks: int, microbatches: int, rank: int) -> tuple[Action, ...]:

@@ -9,26 +9,22 @@ import math
 from collections import deque
 from typing import Optional, Sequence
 
-from ..ir import Action, Placement, Schedule
-from ..timeline import Costs, simulate
-from .common import backward, check_sizes, forward, require, weight
+from ..ir import Action, Schedule
+from ..timeline import Costs, Timeline, simulate
+from .common import backward, forward, require, weight
+from .shape import Programs, ScheduleBuilder, Shape
 
 _EPS = 1e-9
 
 
-def build_zb_h1(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-) -> Schedule:
+def _zb_h1(shape: Shape, costs: Optional[Costs]) -> Programs:
     """ZB-H1: 1F1B order with stage r's W's lagging r micro-batches behind its B's.
 
     Same warm-up and peak memory as 1F1B (stage r holds at most R micro-batches, the extra ones
     on later stages only pending their W). Requirements: ranks >= 1, microbatches >= 1,
     virtual_stages 1.
     """
-    check_sizes("zb-h1", ranks, microbatches, virtual_stages, 1)
+    ranks, microbatches = shape.ranks, shape.microbatches
     programs = []
     for rank in range(ranks):
         warmup = min(ranks - 1 - rank, microbatches)
@@ -48,16 +44,10 @@ def build_zb_h1(
             split_backward(m)
         program += [weight(rank, m) for m in pending]
         programs.append(tuple(program))
-    return Schedule("zb-h1", Placement("loop", ranks, ranks), microbatches, tuple(programs))
+    return tuple(programs)
 
 
-def build_zb_h2(
-    ranks: int,
-    microbatches: int,
-    virtual_stages: Optional[int] = None,
-    costs: Optional[Costs] = None,
-    max_inflight: Optional[int] = None,
-) -> Schedule:
+def _zb_h2(shape: Shape, costs: Optional[Costs], max_inflight: Optional[int] = None) -> Programs:
     """ZB-H2 by list scheduling under a memory cap (default 2R-1 micro-batches in flight).
 
     Every rank, at its current time, runs the first of: a B whose gradient has arrived, an F
@@ -69,15 +59,14 @@ def build_zb_h2(
     and M >= 2R-1 every rank is busy from its first F to its last W. Requirements: ranks >= 1,
     microbatches >= 1, virtual_stages 1, max_inflight >= 1.
     """
-    check_sizes("zb-h2", ranks, microbatches, virtual_stages, 1)
-    cap = 2 * ranks - 1 if max_inflight is None else max_inflight
+    cap = 2 * shape.ranks - 1 if max_inflight is None else max_inflight
     require(cap >= 1, "max_inflight", f"zb-h2 needs max_inflight >= 1, got {max_inflight}")
     costs = costs or Costs()
-    candidates = [
-        Schedule("zb-h2", Placement("loop", ranks, ranks), microbatches, programs)
-        for programs in list_schedules(ranks, microbatches, costs, cap, freed_by_b=0.0)
-    ]
-    return shortest(candidates, costs)
+    return shortest(list_schedules(shape, costs, cap, freed_by_b=0.0), shape, costs)
+
+
+build_zb_h1 = ScheduleBuilder("zb-h1", "loop", _zb_h1)
+build_zb_h2 = ScheduleBuilder("zb-h2", "loop", _zb_h2)
 
 
 FORWARD_SLACKS: tuple[float, ...] = (math.inf, 0.0, 0.5, 1.0)
@@ -85,23 +74,26 @@ FORWARD_SLACKS: tuple[float, ...] = (math.inf, 0.0, 0.5, 1.0)
 greedy rule (any F that fits runs while the B is not there)."""
 
 
-def list_schedules(
-    ranks: int, microbatches: int, costs: Costs, limit: float, freed_by_b: float
-) -> list[tuple[tuple[Action, ...], ...]]:
+def list_schedules(shape: Shape, costs: Costs, limit: float, freed_by_b: float) -> list[Programs]:
     """One program set per forward slack, each rank's activations under ``limit`` (F allocates
     1, B frees ``freed_by_b``, W the rest; ZB-H2 counts a micro-batch until its W, i.e. 0)."""
     return [
-        _ListScheduler(ranks, microbatches, costs, limit, freed_by_b, slack * costs.f).run()
+        _ListScheduler(shape.ranks, shape.microbatches, costs, limit, freed_by_b, slack * costs.f).run()
         for slack in FORWARD_SLACKS
     ]
 
 
-def shortest(candidates: Sequence[Schedule], costs: Costs) -> Schedule:
+def loop_timeline(programs: Programs, shape: Shape, costs: Costs) -> Timeline:
+    """The simulated run of one stage per rank's ``programs`` (the zero-bubble candidates)."""
+    return simulate(Schedule("candidate", shape.placement("loop"), shape.microbatches, programs), costs)
+
+
+def shortest(candidates: Sequence[Programs], shape: Shape, costs: Costs) -> Programs:
     """The candidate with the least simulated makespan, then the least idle inside rank spans;
     ties keep the earlier candidate."""
 
-    def score(schedule: Schedule) -> tuple[float, float]:
-        timeline = simulate(schedule, costs)
+    def score(programs: Programs) -> tuple[float, float]:
+        timeline = loop_timeline(programs, shape, costs)
         return round(timeline.makespan, 9), round(sum(timeline.span_bubble), 9)
 
     return min(candidates, key=score)
