@@ -1,7 +1,11 @@
 """bf16 against fp32 training: the loss curves of one run (same seed, data and initialisation)
 trained with `train.precision=bf16` and with `fp32`, and how far apart they are.
 
-    python -m benchmarks.bf16_loss_curves [--config moe_train/configs/demo.yaml] [--steps 100]
+    python -m benchmarks.bf16_loss_curves [--config moe_train/configs/demo.yaml] [--steps 100] [--nudge]
+
+`--nudge` also trains bf16 with one weight element moved by one bf16 ulp before the first step
+(`nudge_one_weight`) and prints how far that curve is from the bf16 one: what one rounding alone does
+along a trajectory, the noise floor of any comparison of two loss curves step by step.
 """
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from benchmarks.training_options import training_parser
 from moe_train.config import load_config
@@ -40,6 +46,20 @@ def train_run(config_path: str, precision: str, steps: int, overrides: list[str]
             trainer.logger.close()
 
 
+def nudge_one_weight(trainer: Trainer) -> None:
+    """The first element of the first o_proj weight moved up by one ulp of the parameter's dtype (its
+    fp32 main value set to the same number, so the optimizer steps from it)."""
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if n.endswith("o_proj.weight"))
+    with torch.no_grad():
+        flat = param.view(-1)
+        _, exponent = torch.frexp(flat[0].float())
+        flat[0] += torch.finfo(param.dtype).eps * 2.0 ** (exponent.item() - 1)  # exact: one ulp up
+        piece = getattr(param, "main_piece", None)
+        if piece is not None and piece.start == 0 and piece.main.data_ptr() != flat.data_ptr():
+            piece.main[0] = flat[0]
+        print(f"nudged {name}[0] by one {param.dtype} ulp to {flat[0].item()!r}")
+
+
 def loss_curve(config_path: str, precision: str, steps: int, overrides: list[str]) -> list[float]:
     """The training loss of each of `steps` steps."""
     return train_run(config_path, precision, steps, overrides).losses
@@ -52,11 +72,18 @@ def curve_difference(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    opts = training_parser(__doc__.splitlines()[0], steps=100).parse_args()
+    parser = training_parser(__doc__.splitlines()[0], steps=100)
+    parser.add_argument("--nudge", action="store_true", help="also bf16 with one weight moved by one ulp")
+    opts = parser.parse_args()
     curves = {p: loss_curve(opts.config, p, opts.steps, opts.overrides) for p in ("fp32", "bf16")}
+    nudged = train_run(opts.config, "bf16", opts.steps, opts.overrides, prepare=nudge_one_weight).losses \
+        if opts.nudge else None
     seed = load_config(opts.config, opts.overrides).train.seed
     print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
     print_curves(curves, "")
+    if nudged is not None:
+        worst, mean = curve_difference(nudged, curves["bf16"])
+        print(f"|bf16 nudged by one ulp - bf16| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
 
 
 def print_curves(curves: dict[str, list[float]], what: str) -> None:

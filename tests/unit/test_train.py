@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from benchmarks.bf16_loss_curves import curve_difference, loss_curve
+from benchmarks.bf16_loss_curves import curve_difference, loss_curve, nudge_one_weight, train_run
 from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import ConfigError, load_config
@@ -323,6 +323,31 @@ def test_bf16_loss_curve_follows_fp32(cache_dir):
     assert curves["bf16"][0] == pytest.approx(curves["fp32"][0], abs=1e-3)  # same model and batch
     assert worst < 0.025 and mean < 0.012
     assert all(curve[-1] < curve[0] - 2 for curve in curves.values())
+
+
+def test_the_one_ulp_nudge_moves_one_weight_by_one_ulp_and_the_curve_after_it(cache_dir, tmp_path):
+    """benchmarks/bf16_loss_curves --nudge: in bf16 the nudged element is the next bf16 number up, its
+    fp32 main value the same number, every other weight unchanged; the first loss moves by at most
+    rounding, and the curve moves after it (the noise floor the README reports for curve comparisons)."""
+    settings = [f"data.cache_dir={cache_dir}", "data.demo_max_bytes=400000", "train.threads=1"]
+    config = load_config(TINY, ["train.precision=bf16", f"logging.dir={tmp_path}", "logging.tensorboard=false",
+                                *settings])
+    trainer = Trainer(config)
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        nudge_one_weight(trainer)
+        name, param = next((n, p) for n, p in trainer.model.named_parameters() if n.endswith("o_proj.weight"))
+        old, new = before[name].view(-1)[0], param.detach().view(-1)[0]
+        next_up = (old.view(torch.int16) + (1 if old > 0 else -1)).view(torch.bfloat16)  # the bit pattern's neighbour
+        assert old > 0 and new == next_up and param.main_piece.main[0] == new.float()
+        assert torch.equal(param.detach().view(-1)[1:], before[name].view(-1)[1:])
+        assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters() if n != name)
+    finally:
+        trainer.logger.close()
+    base = loss_curve(TINY, "bf16", 3, settings)
+    nudged = train_run(TINY, "bf16", 3, settings, prepare=nudge_one_weight).losses
+    print(f"bf16 {base}, nudged {nudged}")
+    assert nudged[0] == pytest.approx(base[0], abs=1e-3) and nudged != base
 
 
 def test_bf16_moments_loss_curve_follows_fp32_moments(cache_dir):
