@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+import kernels_cuda
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
 from kernels_cuda.emulated_calls import EmulatedCalls
@@ -61,6 +62,7 @@ class IntranodeEngine:
         self.runtime, self.num_ranks, self.config = runtime, num_ranks, config
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
         self.device, self.sms = device, sms
+        self.args = kernels_cuda.extension_of(runtime)  # the ops' argument structs
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, None (one node: no per-node counts, as DeepEP), per expert, is_token_in_rank)."""
@@ -99,9 +101,10 @@ class IntranodeEngine:
         if cached:
             prefix = [(h.rank_prefix_matrix, h.channel_prefix_matrix, h.is_token_in_rank) for h in handles]
             with op.launching():
-                self.runtime.cached_notify([
-                    {"rank": r, "num_tokens": x[0].shape[0], "send_head": None, "channel_prefix_matrix": p[1]}
-                    for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
+                self.runtime.cached_notify(
+                    [self.args.CachedNotifyRank(rank=r, num_tokens=x[0].shape[0], channel_prefix_matrix=p[1])
+                     for r, x, p in zip(ranks, payloads, prefix)],
+                    self.args.CachedNotifyOp(num_channels=channels, timeout_cycles=self.timeout_cycles))
             received = [(h.num_recv_tokens, []) for h in handles]
         else:
             if any(layout is None for layout in layouts):
@@ -113,12 +116,14 @@ class IntranodeEngine:
                 prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
                            torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
             with op.launching():
-                self.runtime.notify_dispatch([
-                    {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
-                     "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
-                     "channel_prefix_matrix": p[1], "publish_counts": num_worst_tokens <= 0}
-                    for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
-                    num_experts, channels, expert_alignment, self.timeout_cycles)
+                self.runtime.notify_dispatch(
+                    [self.args.NotifyRank(rank=r, num_tokens=x[0].shape[0], num_tokens_per_rank=lay[0],
+                                          num_tokens_per_expert=lay[1], is_token_in_rank=lay[2],
+                                          rank_prefix_matrix=p[0], channel_prefix_matrix=p[1],
+                                          publish_counts=num_worst_tokens <= 0)
+                     for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
+                    self.args.NotifyOp(num_channels=channels, timeout_cycles=self.timeout_cycles,
+                                       num_experts=num_experts, expert_alignment=expert_alignment))
             if num_worst_tokens > 0:
                 received = [(num_worst_tokens, []) for _ in ranks]
             else:
@@ -140,27 +145,26 @@ class IntranodeEngine:
                     "send_head": torch.empty(x.shape[0], R, dtype=torch.int32, device=device),
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
-                args.append({
-                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
-                    "x_scales": None if x_scales is None else scale_words(x_scales),
-                    "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
-                    "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
-                    "topk_idx": None if idx is None else idx.contiguous(),
-                    "topk_weights": None if idx is None else weights.float().contiguous(),
-                    "is_token_in_rank": p[2], "channel_prefix_matrix": p[1], "rank_prefix_matrix": p[0], **out})
+                args.append(self.args.DispatchRank(
+                    rank=r, num_tokens=x.shape[0], x=x.contiguous(),
+                    x_scales=None if x_scales is None else scale_words(x_scales),
+                    scale_token_stride=0 if x_scales is None else x_scales.stride(0),
+                    scale_hidden_stride=0 if x_scales is None else x_scales.stride(1),
+                    topk_idx=None if idx is None else idx.contiguous(),
+                    topk_weights=None if idx is None else weights.float().contiguous(),
+                    is_token_in_rank=p[2], channel_prefix_matrix=p[1], rank_prefix_matrix=p[0], **out))
             outputs.append(out)
         with op.launching():
-            self.runtime.dispatch(args, {
-                "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1],
-                "num_topk": num_topk, "num_channels": channels, "capacity": config.num_max_recv_tokens,
-                "chunk": config.num_max_send_tokens, "num_experts": num_experts,
-                "num_worst_tokens": 0 if cached else num_worst_tokens,
-                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
+            self.runtime.dispatch(args, self.args.DispatchOp(
+                hidden_bytes=hidden_bytes, num_scales=0 if scales is None else scales.shape[1], num_topk=num_topk,
+                num_channels=channels, capacity=config.num_max_recv_tokens, chunk=config.num_max_send_tokens,
+                num_experts=num_experts, num_worst_tokens=0 if cached else num_worst_tokens,
+                timeout_cycles=self.timeout_cycles, stalled_rank=stalled_rank))
 
         results = []
         for a, (_, x_scales), out, (num_recv, per_expert), h in zip(args, payloads, outputs, received, handles):
-            handle = Handle(a["rank_prefix_matrix"], a["channel_prefix_matrix"], out["recv_channel_offset"],
-                            out["recv_src_idx"], a["is_token_in_rank"], out["send_head"],
+            handle = Handle(a.rank_prefix_matrix, a.channel_prefix_matrix, out["recv_channel_offset"],
+                            out["recv_src_idx"], a.is_token_in_rank, out["send_head"],
                             h.num_recv_tokens if h is not None else num_recv, config)
             recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
                 out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
@@ -178,10 +182,11 @@ class IntranodeEngine:
         hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
         self._check(config, hidden_bytes, num_topk, self.num_ranks, len(ranks))
         with op.launching():
-            self.runtime.cached_notify([
-                {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
-                 "channel_prefix_matrix": h.channel_prefix_matrix} for r, h in zip(ranks, handles)],
-                config.num_channels, self.timeout_cycles)
+            self.runtime.cached_notify(
+                [self.args.CachedNotifyRank(rank=r, num_tokens=h.is_token_in_rank.shape[0], send_head=h.send_head,
+                                            channel_prefix_matrix=h.channel_prefix_matrix)
+                 for r, h in zip(ranks, handles)],
+                self.args.CachedNotifyOp(num_channels=config.num_channels, timeout_cycles=self.timeout_cycles))
         args, results = [], []
         for r, y, h, w in zip(ranks, ys, handles, topk_weights):
             tokens = h.is_token_in_rank.shape[0]
@@ -189,17 +194,16 @@ class IntranodeEngine:
                 combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
                 combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
             with op.launching():
-                args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
-                             "topk_weights": None if w is None else w.float().contiguous(),
-                             "rank_prefix_matrix": h.rank_prefix_matrix, "recv_channel_offset": h.recv_channel_offset,
-                             "send_head": h.send_head, "combined_x": combined, "combined_topk_weights": combined_w})
+                args.append(self.args.CombineRank(
+                    rank=r, num_tokens=tokens, x=y.contiguous(), topk_weights=None if w is None else w.float().contiguous(),
+                    rank_prefix_matrix=h.rank_prefix_matrix, recv_channel_offset=h.recv_channel_offset,
+                    send_head=h.send_head, combined_x=combined, combined_topk_weights=combined_w))
             results.append((combined, combined_w))
         with op.launching():
-            self.runtime.combine(args, {
-                "hidden_bytes": hidden_bytes, "num_topk": num_topk, "num_channels": config.num_channels,
-                "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
-                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank,
-                "float32": y0.dtype == torch.float32})
+            self.runtime.combine(args, self.args.CombineOp(
+                hidden_bytes=hidden_bytes, num_topk=num_topk, num_channels=config.num_channels,
+                capacity=config.num_max_recv_tokens, chunk=config.num_max_send_tokens,
+                timeout_cycles=self.timeout_cycles, stalled_rank=stalled_rank, float32=y0.dtype == torch.float32))
         return results
 
     def error_record(self) -> dict[str, Any]:
@@ -232,7 +236,6 @@ class Buffer:
                  config: Config | InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
                  timeout_s: float = 100.0, rdma_transport: str = "auto", device: str | None = None,
                  schedule: Schedule | None = None, low_latency_mode: bool = False) -> None:
-        import kernels_cuda
         import torch.distributed as dist
 
         self.device = resolve_device(device)
@@ -517,8 +520,6 @@ class EmulatedGroup(EmulatedCalls, EmulatedLowLatency):
     def __init__(self, num_ranks: int, num_nvl_bytes: int, config: Config | None = None,
                  timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0, device: str | None = None,
                  schedule: Schedule | None = None, num_rdma_bytes: int = 0, low_latency_blocks: int = 4) -> None:
-        import kernels_cuda
-
         self.device = resolve_device(device)
         ext = kernels_cuda.extension(self.device)
         self.num_ranks = num_ranks

@@ -2,7 +2,7 @@
 rank = node * gpus_per_node + gpu, each with an RDMA region and an NVLink region (DeepEP's
 num_rdma_bytes / num_nvl_bytes).
 
-- `InternodeEngine`: per-rank lists of tensors -> the internode kernels' per-rank dicts; `Buffer`
+- `InternodeEngine`: per-rank lists of tensors -> the internode kernels' per-rank argument structs; `Buffer`
   (kernels_cuda.buffer) drives it for a group over several nodes, with its own rank.
 - `EmulatedInternodeGroup`: every rank in this process on one GPU or on the CPU emulation, one kernel
   launch for all ranks; the list API of `EmulatedGroup` (so `kernels_cuda.rank_views` and the `native`
@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
+import kernels_cuda
 from kernels_cuda import constants as C
 from kernels_cuda.config import InternodeConfig, combine_row_shape
 from kernels_cuda.emulated_calls import EmulatedCalls
@@ -63,6 +64,7 @@ class InternodeEngine:
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
         self.device, self.sms = device, sms
+        self.args = kernels_cuda.extension_of(runtime)  # the ops' argument structs
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, per node, per expert, is_token_in_rank) from the layout kernel."""
@@ -71,10 +73,11 @@ class InternodeEngine:
             per_rank, per_node, per_expert, in_rank = self.runtime.get_dispatch_layout(topk_idx.contiguous(), num_experts)
         return per_rank, per_node, per_expert, in_rank
 
-    def _settings(self, config: InternodeConfig, **extra: Any) -> dict:
-        return {"num_channels": config.num_channels, "nvl_chunk": config.nvl_chunk,
-                "nvl_capacity": config.nvl_capacity, "rdma_chunk": config.rdma_chunk,
-                "rdma_capacity": config.rdma_capacity, "timeout_cycles": self.timeout_cycles, **extra}
+    def _op(self, op_class: Any, config: InternodeConfig, **settings: Any) -> Any:
+        """An op struct of `op_class` with `config`'s channels and rings and this engine's timeout."""
+        return op_class(num_channels=config.num_channels, nvl_chunk=config.nvl_chunk, nvl_capacity=config.nvl_capacity,
+                        rdma_chunk=config.rdma_chunk, rdma_capacity=config.rdma_capacity,
+                        timeout_cycles=self.timeout_cycles, **settings)
 
     def _check(self, config: InternodeConfig, hidden_bytes: int, num_topk: int, num_experts: int,
                launch_ranks: int) -> None:
@@ -112,9 +115,9 @@ class InternodeEngine:
 
         if cached:
             with op.launching():
-                self.runtime.cached_notify([{"rank": r, "num_tokens": x.shape[0]}
+                self.runtime.cached_notify([self.args.InternodeCachedNotifyRank(rank=r, num_tokens=x.shape[0])
                                             for r, (x, _) in zip(ranks, payloads)],
-                                           self._settings(config, rewrite_heads=False))
+                                           self._op(self.args.InternodeCachedNotifyOp, config, rewrite_heads=False))
             prefixes = [{k: getattr(h, k) for k in _PREFIX_KEYS} for h in handles]
             received = [(h.num_recv_tokens, h.num_rdma_recv_tokens, []) for h in handles]
         else:
@@ -130,11 +133,12 @@ class InternodeEngine:
                              "recv_gbl_rank_prefix_sum": torch.empty(R, **ints), "is_token_in_rank": lay[3]}
                             for lay in layouts]
             with op.launching():
-                self.runtime.notify([{"rank": r, "num_tokens": x.shape[0], "num_tokens_per_rank": lay[0],
-                                      "num_tokens_per_node": lay[1], "num_tokens_per_expert": lay[2], **prefix,
-                                      "publish_counts": num_worst_tokens <= 0}
-                                     for r, (x, _), lay, prefix in zip(ranks, payloads, layouts, prefixes)],
-                                    self._settings(config, num_experts=num_experts, expert_alignment=expert_alignment))
+                self.runtime.notify([self.args.InternodeNotifyRank(
+                    rank=r, num_tokens=x.shape[0], num_tokens_per_rank=lay[0], num_tokens_per_node=lay[1],
+                    num_tokens_per_expert=lay[2], **prefix, publish_counts=num_worst_tokens <= 0)
+                    for r, (x, _), lay, prefix in zip(ranks, payloads, layouts, prefixes)],
+                    self._op(self.args.InternodeNotifyOp, config, num_experts=num_experts,
+                             expert_alignment=expert_alignment))
             if num_worst_tokens > 0:
                 received = [(num_worst_tokens, num_worst_tokens, []) for _ in ranks]
             else:
@@ -159,26 +163,27 @@ class InternodeEngine:
                     "send_nvl_head": torch.empty(num_rdma, G, **ints),
                 }
             with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
-                args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
-                             "x_scales": None if x_scales is None else scale_words(x_scales),
-                             "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
-                             "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
-                             "topk_idx": None if idx is None else idx.contiguous(),
-                             "topk_weights": None if idx is None else w.float().contiguous(), **prefix, **out})
+                args.append(self.args.InternodeDispatchRank(
+                    rank=r, num_tokens=x.shape[0], x=x.contiguous(),
+                    x_scales=None if x_scales is None else scale_words(x_scales),
+                    scale_token_stride=0 if x_scales is None else x_scales.stride(0),
+                    scale_hidden_stride=0 if x_scales is None else x_scales.stride(1),
+                    topk_idx=None if idx is None else idx.contiguous(),
+                    topk_weights=None if idx is None else w.float().contiguous(), **prefix, **out))
             outputs.append(out)
         with op.launching():
-            self.runtime.dispatch(args, self._settings(
-                config, hidden_bytes=hidden_bytes, num_scales=0 if scales0 is None else scales0.shape[1],
-                num_topk=num_topk, num_experts=num_experts, num_worst_tokens=0 if cached else num_worst_tokens,
-                stalled_rank=stalled_rank))
+            self.runtime.dispatch(args, self._op(
+                self.args.InternodeDispatchOp, config, hidden_bytes=hidden_bytes,
+                num_scales=0 if scales0 is None else scales0.shape[1], num_topk=num_topk, num_experts=num_experts,
+                num_worst_tokens=0 if cached else num_worst_tokens, stalled_rank=stalled_rank))
 
         results = []
         for a, (_, x_scales), out, (num_recv, num_rdma, per_expert), old in zip(
                 args, payloads, outputs, received, handles):
             handle = old or InternodeHandle(
-                a["rdma_channel_prefix_matrix"], a["gbl_channel_prefix_matrix"], a["recv_rdma_rank_prefix_sum"],
-                out["recv_rdma_channel_offset"], a["recv_gbl_rank_prefix_sum"], out["recv_gbl_channel_offset"],
-                out["recv_src_idx"], a["is_token_in_rank"], out["send_rdma_head"], out["send_nvl_head"], num_recv,
+                a.rdma_channel_prefix_matrix, a.gbl_channel_prefix_matrix, a.recv_rdma_rank_prefix_sum,
+                out["recv_rdma_channel_offset"], a.recv_gbl_rank_prefix_sum, out["recv_gbl_channel_offset"],
+                out["recv_src_idx"], a.is_token_in_rank, out["send_rdma_head"], out["send_nvl_head"], num_recv,
                 num_rdma, config)
             recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
                 out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
@@ -196,12 +201,12 @@ class InternodeEngine:
         hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
         self._check(config, hidden_bytes, num_topk, self.num_ranks, len(ranks))
         with op.launching():
-            self.runtime.cached_notify([
-                {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_rdma_head": h.send_rdma_head,
-                 "rdma_channel_prefix_matrix": h.rdma_channel_prefix_matrix, "send_nvl_head": h.send_nvl_head,
-                 "recv_rdma_rank_prefix_sum": h.recv_rdma_rank_prefix_sum,
-                 "recv_rdma_channel_offset": h.recv_rdma_channel_offset} for r, h in zip(ranks, handles)],
-                self._settings(config, rewrite_heads=True))
+            self.runtime.cached_notify([self.args.InternodeCachedNotifyRank(
+                rank=r, num_tokens=h.is_token_in_rank.shape[0], send_rdma_head=h.send_rdma_head,
+                rdma_channel_prefix_matrix=h.rdma_channel_prefix_matrix, send_nvl_head=h.send_nvl_head,
+                recv_rdma_rank_prefix_sum=h.recv_rdma_rank_prefix_sum,
+                recv_rdma_channel_offset=h.recv_rdma_channel_offset) for r, h in zip(ranks, handles)],
+                self._op(self.args.InternodeCachedNotifyOp, config, rewrite_heads=True))
         args, results = [], []
         for r, y, h, w in zip(ranks, ys, handles, topk_weights):
             tokens = h.is_token_in_rank.shape[0]
@@ -209,18 +214,18 @@ class InternodeEngine:
                 combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
                 combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
             with op.launching():
-                args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
-                             "topk_weights": None if w is None else w.float().contiguous(),
-                             "recv_gbl_rank_prefix_sum": h.recv_gbl_rank_prefix_sum,
-                             "recv_gbl_channel_offset": h.recv_gbl_channel_offset,
-                             "recv_rdma_rank_prefix_sum": h.recv_rdma_rank_prefix_sum,
-                             "recv_rdma_channel_offset": h.recv_rdma_channel_offset, "send_nvl_head": h.send_nvl_head,
-                             "send_rdma_head": h.send_rdma_head, "combined_x": combined,
-                             "combined_topk_weights": combined_w})
+                args.append(self.args.InternodeCombineRank(
+                    rank=r, num_tokens=tokens, x=y.contiguous(), topk_weights=None if w is None else w.float().contiguous(),
+                    recv_gbl_rank_prefix_sum=h.recv_gbl_rank_prefix_sum,
+                    recv_gbl_channel_offset=h.recv_gbl_channel_offset,
+                    recv_rdma_rank_prefix_sum=h.recv_rdma_rank_prefix_sum,
+                    recv_rdma_channel_offset=h.recv_rdma_channel_offset, send_nvl_head=h.send_nvl_head,
+                    send_rdma_head=h.send_rdma_head, combined_x=combined, combined_topk_weights=combined_w))
             results.append((combined, combined_w))
         with op.launching():
-            self.runtime.combine(args, self._settings(config, hidden_bytes=hidden_bytes, num_topk=num_topk,
-                                                      stalled_rank=stalled_rank, float32=y0.dtype == torch.float32))
+            self.runtime.combine(args, self._op(self.args.InternodeCombineOp, config, hidden_bytes=hidden_bytes,
+                                                num_topk=num_topk, stalled_rank=stalled_rank,
+                                                float32=y0.dtype == torch.float32))
         return results
 
     def error_record(self) -> dict[str, Any]:
@@ -237,8 +242,6 @@ class EmulatedInternodeGroup(EmulatedCalls, EmulatedLowLatency):
                  config: InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
                  timeout_s: float = 100.0, device: str | None = None, schedule: Schedule | None = None,
                  low_latency_mode: bool = False, low_latency_blocks: int = 4) -> None:
-        import kernels_cuda
-
         self.device = resolve_device(device)
         ext = kernels_cuda.extension(self.device)
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
@@ -280,8 +283,6 @@ def check_rdma_transport(requested: str, group: Any, ext: Any, device: str) -> s
                          "of one machine, but this group spans machines (or rdma_transport='nvshmem' was asked); "
                          "use dispatcher 'hierarchical'")
     if requested == "nvshmem" and not getattr(ext, "with_nvshmem", False):
-        import kernels_cuda
-
         from kernels_cuda.build import NVSHMEM_HOW  # (not at import: `python -m kernels_cuda.build` runs it)
 
         raise kernels_cuda.KernelsNotBuilt(

@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "tensor_args.h"
+#include "cuda_check.h"
+#include "device_api.h"
 
 class RankRegions {
    public:
