@@ -4,8 +4,8 @@
 // emulated in one process), validates intranode configurations (ep_config.h) and fills the kernels'
 // parameter blocks from the typed arguments bound here (op_args.h): every op takes a list with one
 // `...Rank` struct per rank of the launch (all ranks emulated, or this rank over NVLink) and an `...Op`.
-// What it shares with the internode runtimes (host/internode_runtime.cpp) is RuntimeCore
-// (runtime_common.h) and RankRegions (rank_regions.h).
+// Its lifecycle is RegionRuntime's (region_runtime.h, shared with the low-latency runtime); what it
+// shares with the internode runtimes (host/internode_runtime.cpp) is RuntimeCore (runtime_common.h).
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
@@ -16,7 +16,7 @@
 #include "../ep_params.h"
 #include "internode_runtime.h"
 #include "low_latency_runtime.h"
-#include "rank_regions.h"
+#include "region_runtime.h"
 #include "runtime_common.h"
 #include "op_args.h"
 #include "cuda_check.h"
@@ -34,10 +34,10 @@ struct NotifyRank : RankTokens {
 struct NotifyOp : LaunchSettings, ExpertCounts {};
 
 struct CachedNotifyRank : RankTokens {
-    at::Tensor send_head;  // rewritten before a combine; None before a cached dispatch
+    at::Tensor send_head;  // rewritten before a combine (rewrite_heads), and needed then only
     at::Tensor channel_prefix_matrix;
 };
-struct CachedNotifyOp : LaunchSettings {};
+struct CachedNotifyOp : LaunchSettings, HeadRewrite {};
 
 struct DispatchRank : RankTokens, DispatchPayload {
     at::Tensor channel_prefix_matrix;
@@ -73,6 +73,7 @@ void register_intranode_args(py::module_& m) {
         .tensor("channel_prefix_matrix", &CachedNotifyRank::channel_prefix_matrix);
     ArgClass<CachedNotifyOp> cached_op(m, "CachedNotifyOp");
     bind_launch_settings(cached_op);
+    bind_head_rewrite(cached_op);
 
     ArgClass<DispatchRank> dispatch(m, "DispatchRank");
     bind_rank_tokens(dispatch);
@@ -98,37 +99,15 @@ void register_intranode_args(py::module_& m) {
     bind_combine_settings(combine_op);
 }
 
-class Runtime final : public RuntimeCore {
+class Runtime final : public RegionRuntime {
    public:
     Runtime(int rank, int num_ranks, int64_t num_bytes, bool emulated)
-        : RuntimeCore(checked_world(num_ranks, num_bytes), rank,
-                      emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink),
-          num_bytes_(num_bytes),
-          buffers_("buffer", num_ranks) {
-        if (emulated)
-            buffers_.allocate_all(num_bytes);
-        else
-            buffers_.allocate(rank, num_bytes);
-    }
-
-    ~Runtime() override { destroy(); }
-
-    // Unmaps the peers' buffers and frees this rank's (collective: the caller synchronises the ranks
-    // first); the destructor calls it when the caller did not. Later ops fail naming the unmapped peer.
-    void destroy() { buffers_.release_when_idle(); }
-
-    py::bytes ipc_handle() const {
-        require_alive();
-        return buffers_.ipc_handle();
-    }
-
-    void open_ipc_handles(const std::vector<py::bytes>& handles) {
-        TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
-        buffers_.open_peers(handles, launch_rank_);
+        : RegionRuntime("buffer", rank, num_ranks, num_bytes, emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink) {
+        allocate_own();
     }
 
     // Counts exchange; resets this launch's mapped counters to -1 first.
-    void notify_dispatch(const std::vector<NotifyRank>& ranks, const NotifyOp& op) {
+    void notify(const std::vector<NotifyRank>& ranks, const NotifyOp& op) {
         ep::NotifyParams p{};
         fill_common(p, ranks.size(), op.num_channels, 1, op.timeout_cycles, 16);
         TORCH_CHECK(op.num_experts % world_size_ == 0 && op.num_experts / world_size_ <= ep::kMaxLocalExperts,
@@ -169,7 +148,7 @@ class Runtime final : public RuntimeCore {
             const CachedNotifyRank& d = ranks[i];
             ep::CachedNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.send_head = data_of<int>(d.send_head);
+            a.send_head = op.rewrite_heads ? required_data<int>(d.send_head, "send_head") : nullptr;
             a.channel_prefix_matrix = data_of<int>(d.channel_prefix_matrix);
         }
         check_cuda(ep::launch_cached_notify(p, backend_, stream_.get()), "cached_notify");
@@ -215,26 +194,9 @@ class Runtime final : public RuntimeCore {
         check_cuda(ep::launch_combine(p, backend_, payload, stream_.get()), "combine");
     }
 
-    int64_t num_bytes() const { return num_bytes_; }
     bool emulated() const { return every_rank(); }
 
-    // `rank`'s whole buffer as bytes (get_local_buffer_tensor): a view, valid until destroy().
-    at::Tensor region(int rank) const {
-        require_alive();
-        check_launch_rank(rank);
-        return buffers_.bytes_view(rank, num_bytes_);
-    }
-
    private:
-    static int checked_world(int num_ranks, int64_t num_bytes) {
-        TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
-                    ep::kMaxRanks, "]");
-        check_buffer_bytes(num_bytes);
-        return num_ranks;
-    }
-
-    void require_alive() const { TORCH_CHECK(buffers_.allocated(), "kernels_cuda: the buffer was destroyed"); }
-
     // The launch fields (RuntimeCore::fill_launch), then the buffer layout for records of `record_bytes`.
     template <typename Params>
     void fill_common(Params& p, size_t launch_ranks, int num_channels, int capacity, int64_t timeout_cycles,
@@ -251,7 +213,7 @@ class Runtime final : public RuntimeCore {
         a.rank = d.rank;
         a.num_tokens = d.num_tokens;
         check_launch_rank(a.rank);
-        for (int r = 0; r < world_size_; ++r) a.peers[r] = buffers_.at(r);
+        for (int r = 0; r < world_size_; ++r) a.peers[r] = regions_.at(r);
     }
 
     // The op's channels and rings for its rows (ep_config.h's validate_intranode).
@@ -261,9 +223,6 @@ class Runtime final : public RuntimeCore {
         const char* error = ep::validate_intranode(cfg, world_size_, op.hidden_bytes, op.num_topk, local_experts, 0);
         TORCH_CHECK(error == nullptr, "kernels_cuda: invalid config: ", error);
     }
-
-    const int64_t num_bytes_;
-    RankRegions buffers_;  // by rank
 };
 
 }  // namespace
@@ -274,18 +233,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<Runtime> runtime(m, "Runtime");
     runtime.def(py::init<int, int, int64_t, bool>())
         .def("get_dispatch_layout", &Runtime::dispatch_layout)
-        .def("ipc_handle", &Runtime::ipc_handle)
-        .def("open_ipc_handles", &Runtime::open_ipc_handles)
-        .def("destroy", &Runtime::destroy)
-        .def("notify_dispatch", &Runtime::notify_dispatch)
+        .def("notify", &Runtime::notify)
         .def("wait_recv_counts", &Runtime::wait_recv_counts, py::call_guard<py::gil_scoped_release>())
         .def("cached_notify", &Runtime::cached_notify)
         .def("dispatch", &Runtime::dispatch)
         .def("combine", &Runtime::combine)
-        .def("region", &Runtime::region)
-        .def_property_readonly("num_bytes", &Runtime::num_bytes)
         .def_property_readonly("emulated", &Runtime::emulated);
-    bind_runtime_core(runtime);
+    bind_region_runtime(runtime);
 #if defined(EP_CPU_EMULATION)
     m.attr("device") = "cpu";
 #else

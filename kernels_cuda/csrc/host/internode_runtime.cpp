@@ -49,9 +49,7 @@ struct InternodeCachedNotifyRank : RankTokens {
     at::Tensor recv_rdma_rank_prefix_sum;
     at::Tensor recv_rdma_channel_offset;
 };
-struct InternodeCachedNotifyOp : LaunchSettings, InternodeRings {
-    bool rewrite_heads = false;
-};
+struct InternodeCachedNotifyOp : LaunchSettings, InternodeRings, HeadRewrite {};
 
 struct InternodeDispatchRank : RankTokens, DispatchPayload {
     at::Tensor rdma_channel_prefix_matrix;
@@ -104,7 +102,7 @@ void register_internode_args(py::module_& m) {
     ArgClass<InternodeCachedNotifyOp> cached_op(m, "InternodeCachedNotifyOp");
     bind_launch_settings(cached_op);
     bind_internode_rings(cached_op);
-    cached_op.value("rewrite_heads", &InternodeCachedNotifyOp::rewrite_heads);
+    bind_head_rewrite(cached_op);
 
     ArgClass<InternodeDispatchRank> dispatch(m, "InternodeDispatchRank");
     using D = InternodeDispatchRank;

@@ -14,7 +14,7 @@
 
 #include "../ep_low_latency.h"
 #include "op_args.h"
-#include "rank_regions.h"
+#include "region_runtime.h"
 #include "runtime_common.h"
 #include "cuda_check.h"
 
@@ -99,33 +99,16 @@ void register_low_latency_args(py::module_& m) {
         .value("use_ue8m0", &LowLatencyDispatchOp::use_ue8m0);
 }
 
-class LowLatencyRuntime : public RuntimeCore {
+class LowLatencyRuntime : public RegionRuntime {
    public:
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, bool emulated)
         : LowLatencyRuntime(rank, num_ranks, num_bytes, emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink) {
-        if (emulated)
-            regions_.allocate_all(num_bytes);
-        else
-            regions_.allocate(rank, num_bytes);
+        allocate_own();
     }
-
-    ~LowLatencyRuntime() override { destroy(); }
 
     // Bytes per rank for these sizes (Buffer.get_low_latency_rdma_size_hint).
     static int64_t size_hint(int max_tokens, int hidden, int num_experts) {
         return ep::make_low_latency_layout(num_experts, max_tokens, hidden).total;
-    }
-
-    void destroy() { regions_.release_when_idle(); }
-
-    py::bytes ipc_handle() const {
-        require_alive();
-        return regions_.ipc_handle();
-    }
-
-    void open_ipc_handles(const std::vector<py::bytes>& handles) {
-        TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
-        regions_.open_peers(handles, launch_rank_);
     }
 
     // Zeroes the regions of the ranks this process launches: signals, counters and the clean word.
@@ -145,13 +128,6 @@ class LowLatencyRuntime : public RuntimeCore {
         uint8_t* base = regions_.at(rank) + half * l.half_bytes + l.combine_send;
         return torch::from_blob(base, {num_experts / world_size_, static_cast<int64_t>(world_size_) * max_tokens, hidden},
                                 launch_device_options(at::kBFloat16));
-    }
-
-    // `rank`'s whole region as bytes (get_local_buffer_tensor): a view, valid until destroy().
-    at::Tensor region(int rank) const {
-        require_alive();
-        check_launch_rank(rank);
-        return regions_.bytes_view(rank, num_bytes_);
     }
 
     void dispatch(const std::vector<LowLatencyDispatchRank>& ranks, const LowLatencyDispatchOp& op, int phases) {
@@ -182,32 +158,15 @@ class LowLatencyRuntime : public RuntimeCore {
         check_cuda(ep::launch_low_latency_combine(p, backend_, stream_.get()), "low_latency_combine");
     }
 
-    int64_t num_bytes() const { return num_bytes_; }
-
     // Whether the sources of the kernels' puts must lie in the region (NVSHMEM): the combine's input is
     // then copied into the zero-copy buffer first.
     bool symmetric_sources() const { return backend_ == ep::Backend::kNvshmem; }
 
    protected:
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, ep::Backend backend)
-        : RuntimeCore(checked_world(num_ranks, num_bytes), rank, backend),
-          num_bytes_(num_bytes),
-          regions_("low-latency region", num_ranks) {}
-
-    RankRegions regions_;  // by rank
+        : RegionRuntime("low-latency region", rank, num_ranks, num_bytes, backend) {}
 
    private:
-    static int checked_world(int num_ranks, int64_t num_bytes) {
-        TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
-                    ep::kMaxRanks, "]");
-        check_buffer_bytes(num_bytes);
-        return num_ranks;
-    }
-
-    void require_alive() const {
-        TORCH_CHECK(regions_.allocated(), "kernels_cuda: the low-latency buffer was destroyed");
-    }
-
     ep::LowLatencyLayout checked_layout(int num_experts, int max_tokens, int hidden) const {
         TORCH_CHECK(num_experts % world_size_ == 0 && max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0,
                     "kernels_cuda: bad low-latency sizes (experts must split over ranks, hidden a multiple of 8: "
@@ -252,8 +211,6 @@ class LowLatencyRuntime : public RuntimeCore {
         }
         return p;
     }
-
-    const int64_t num_bytes_;
 };
 
 #if defined(EP_WITH_NVSHMEM)
@@ -277,17 +234,12 @@ void register_low_latency(py::module_& m) {
     py::class_<LowLatencyRuntime> runtime(m, "LowLatencyRuntime");
     runtime.def(py::init<int, int, int64_t, bool>())
         .def_static("size_hint", &LowLatencyRuntime::size_hint)
-        .def("ipc_handle", &LowLatencyRuntime::ipc_handle)
-        .def("open_ipc_handles", &LowLatencyRuntime::open_ipc_handles)
-        .def("destroy", &LowLatencyRuntime::destroy)
         .def("clean", &LowLatencyRuntime::clean)
         .def("combine_buffer", &LowLatencyRuntime::combine_buffer)
-        .def("region", &LowLatencyRuntime::region)
         .def("dispatch", &LowLatencyRuntime::dispatch)
         .def("combine", &LowLatencyRuntime::combine)
-        .def_property_readonly("num_bytes", &LowLatencyRuntime::num_bytes)
         .def_property_readonly("symmetric_sources", &LowLatencyRuntime::symmetric_sources);
-    bind_runtime_core(runtime);
+    bind_region_runtime(runtime);
 #if defined(EP_WITH_NVSHMEM)
     py::class_<NvshmemLowLatencyRuntime, LowLatencyRuntime>(m, "NvshmemLowLatencyRuntime")
         .def(py::init<int, int, int64_t, const std::string&>())

@@ -53,6 +53,11 @@ struct ExpertCounts {
     int expert_alignment = 1;
 };
 
+// A cached notify: before a combine it also rewrites the handle's head tables (negative heads).
+struct HeadRewrite {
+    bool rewrite_heads = false;
+};
+
 struct DispatchSettings {
     int hidden_bytes = 0;
     int num_scales = 0;
@@ -122,6 +127,11 @@ void bind_launch_settings(ArgClass<T>& c) {
 template <typename T>
 void bind_expert_counts(ArgClass<T>& c) {
     c.value("num_experts", &ExpertCounts::num_experts).value("expert_alignment", &ExpertCounts::expert_alignment);
+}
+
+template <typename T>
+void bind_head_rewrite(ArgClass<T>& c) {
+    c.value("rewrite_heads", &HeadRewrite::rewrite_heads);
 }
 
 template <typename T>
