@@ -80,6 +80,13 @@ def extension(device: str = "cuda") -> object:
     return _load(device)[0]
 
 
+def extension_of(runtime: object) -> object:
+    """The extension module that defines `runtime`'s class: its ops take the argument structs bound there."""
+    import importlib
+
+    return importlib.import_module(type(runtime).__module__)
+
+
 def require_built() -> object:
     """The CUDA extension module, or KernelsNotBuilt with the reason."""
     return extension("cuda")

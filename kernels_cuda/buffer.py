@@ -25,11 +25,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+import kernels_cuda
 from kernels_cuda import constants as C
-from kernels_cuda.config import Config, InternodeConfig, combine_row_shape
+from kernels_cuda.config import Config, InternodeConfig
 from kernels_cuda.emulated_calls import EmulatedCalls
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
-from kernels_cuda.inputs import Layout, Payload, check_combine, check_dispatch, check_layout_input, scale_words
+from kernels_cuda.engine import Engine, OpStructs, Received
+from kernels_cuda.inputs import Layout, Payload, check_layout_input
 from kernels_cuda.internode import (InternodeEngine, InternodeHandle, check_rdma_transport, internode_runtime)
 from kernels_cuda.low_latency import (EmulatedLowLatency, LowLatencyEngine, LowLatencyHandle, check_hook_args,
                                       size_hint)
@@ -52,15 +54,22 @@ class Handle:
     config: Config
 
 
-class IntranodeEngine:
-    """Per-rank lists of tensors -> intranode kernel launches (the emulated group launches all ranks, a
-    buffer its own). The same methods as `InternodeEngine`, so `Buffer` drives either."""
+class IntranodeEngine(Engine):
+    """The intranode path of the op skeleton (kernels_cuda.engine): one ring per (channel, source, destination)
+    rank in every rank's buffer. `Buffer` drives it as it drives `InternodeEngine`."""
+
+    KIND = ""
+    ROUTE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "is_token_in_rank")
+    CACHED_DISPATCH_FIELDS = ("channel_prefix_matrix",)
+    COMBINE_NOTIFY_FIELDS = ("send_head", "channel_prefix_matrix")
+    COMBINE_FIELDS = ("rank_prefix_matrix", "recv_channel_offset", "send_head")
 
     def __init__(self, runtime: Any, num_ranks: int, config: Config, timeout_cycles: int, timeout_s: float,
                  device: str, sms: int) -> None:
-        self.runtime, self.num_ranks, self.config = runtime, num_ranks, config
-        self.timeout_cycles, self.timeout_s = timeout_cycles, timeout_s
-        self.device, self.sms = device, sms
+        ext = kernels_cuda.extension_of(runtime)
+        structs = OpStructs(ext.NotifyRank, ext.NotifyOp, ext.CachedNotifyRank, ext.CachedNotifyOp, ext.DispatchRank,
+                            ext.DispatchOp, ext.CombineRank, ext.CombineOp)
+        super().__init__(runtime, structs, num_ranks, config, timeout_cycles, timeout_s, device, sms)
 
     def layout(self, topk_idx: torch.Tensor, num_experts: int, op: CurrentStreamOp = ON_CURRENT_STREAM) -> Layout:
         """(per rank, None (one node: no per-node counts, as DeepEP), per expert, is_token_in_rank)."""
@@ -78,133 +87,44 @@ class IntranodeEngine:
         check_resident(f"{launch_ranks} rank(s) x num_sms={config.num_sms}", blocks, self.sms,
                        "use fewer SMs per rank (Config(num_sms=...)) or fewer ranks per launch")
 
-    def dispatch(self, ranks: Sequence[int], xs: Sequence[Payload], topk_idx: Sequence[torch.Tensor | None],
-                 topk_weights: Sequence[torch.Tensor | None], layouts: Sequence[Layout | None],
-                 handles: Sequence[Handle | None], num_experts: int, expert_alignment: int, num_worst_tokens: int,
-                 config: Config | None, stalled_rank: int = -1, op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple]:
-        """Per rank: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle).
-        Kernels launch inside `op.launching()`, outputs are allocated inside `op.allocating()`."""
-        config = config or self.config
-        cached = handles[0] is not None
-        payloads = [x if isinstance(x, tuple) else (x, None) for x in xs]
-        for r, (x, x_scales), idx, weights in zip(ranks, payloads, topk_idx, topk_weights):
-            check_dispatch(self.device, x, x_scales, idx, weights, expert_alignment, r)
-        rows, scales = payloads[0]
-        hidden_bytes = rows.shape[1] * rows.element_size()
-        num_topk = topk_idx[0].shape[1] if topk_idx[0] is not None else 1
-        self._check(config, hidden_bytes, num_topk, num_experts, len(ranks))
-        R, channels = self.num_ranks, config.num_channels
-        device = rows.device
+    def _dispatch_config(self, config: Config | None, handles: Sequence[Handle | None]) -> Config:
+        return config or self.config
 
-        if cached:
-            prefix = [(h.rank_prefix_matrix, h.channel_prefix_matrix, h.is_token_in_rank) for h in handles]
-            with op.launching():
-                self.runtime.cached_notify([
-                    {"rank": r, "num_tokens": x[0].shape[0], "send_head": None, "channel_prefix_matrix": p[1]}
-                    for r, x, p in zip(ranks, payloads, prefix)], channels, self.timeout_cycles)
-            received = [(h.num_recv_tokens, []) for h in handles]
-        else:
-            if any(layout is None for layout in layouts):
-                raise ValueError("kernels_cuda: a fresh dispatch needs the layout of every rank")
-            with op.launching():  # the kernels index these densely: int32 counts, contiguous bool [N, R]
-                layouts = [(per_rank.int().contiguous(), per_expert.int().contiguous(), in_rank.bool().contiguous())
-                           for per_rank, _per_node, per_expert, in_rank in layouts]
-            with op.allocating():
-                prefix = [(torch.empty(R, R, dtype=torch.int32, device=device),
-                           torch.empty(R, channels, dtype=torch.int32, device=device), lay[2]) for lay in layouts]
-            with op.launching():
-                self.runtime.notify_dispatch([
-                    {"rank": r, "num_tokens": x[0].shape[0], "num_tokens_per_rank": lay[0],
-                     "num_tokens_per_expert": lay[1], "is_token_in_rank": lay[2], "rank_prefix_matrix": p[0],
-                     "channel_prefix_matrix": p[1], "publish_counts": num_worst_tokens <= 0}
-                    for r, x, lay, p in zip(ranks, payloads, layouts, prefix)],
-                    num_experts, channels, expert_alignment, self.timeout_cycles)
-            if num_worst_tokens > 0:
-                received = [(num_worst_tokens, []) for _ in ranks]
-            else:
-                received = self.runtime.wait_recv_counts(len(ranks), num_experts // R, self.timeout_s)
+    def _launch_settings(self, config: Config) -> dict[str, int]:
+        return {"num_channels": config.num_channels}
 
-        args, outputs = [], []
-        for r, (x, x_scales), idx, weights, p, (num_recv, _) in zip(ranks, payloads, topk_idx, topk_weights, prefix, received):
-            with op.allocating():
-                out = {
-                    "recv_x": torch.empty(num_recv, x.shape[1], dtype=x.dtype, device=device),
-                    "recv_x_scales": None if x_scales is None else
-                    torch.empty(num_recv, x_scales.shape[1], dtype=torch.float32, device=device),
-                    "recv_src_idx": torch.empty(num_recv, dtype=torch.int32, device=device),
-                    "recv_topk_idx": None if idx is None else
-                    torch.empty(num_recv, num_topk, dtype=torch.int64, device=device),
-                    "recv_topk_weights": None if idx is None else
-                    torch.empty(num_recv, num_topk, dtype=torch.float32, device=device),
-                    "recv_channel_offset": torch.empty(R, channels, dtype=torch.int32, device=device),
-                    "send_head": torch.empty(x.shape[0], R, dtype=torch.int32, device=device),
-                }
-            with op.launching():  # conversions run (and their temporaries live) on the kernels' stream
-                args.append({
-                    "rank": r, "num_tokens": x.shape[0], "x": x.contiguous(),
-                    "x_scales": None if x_scales is None else scale_words(x_scales),
-                    "scale_token_stride": 0 if x_scales is None else x_scales.stride(0),
-                    "scale_hidden_stride": 0 if x_scales is None else x_scales.stride(1),
-                    "topk_idx": None if idx is None else idx.contiguous(),
-                    "topk_weights": None if idx is None else weights.float().contiguous(),
-                    "is_token_in_rank": p[2], "channel_prefix_matrix": p[1], "rank_prefix_matrix": p[0], **out})
-            outputs.append(out)
-        with op.launching():
-            self.runtime.dispatch(args, {
-                "hidden_bytes": hidden_bytes, "num_scales": 0 if scales is None else scales.shape[1],
-                "num_topk": num_topk, "num_channels": channels, "capacity": config.num_max_recv_tokens,
-                "chunk": config.num_max_send_tokens, "num_experts": num_experts,
-                "num_worst_tokens": 0 if cached else num_worst_tokens,
-                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank})
+    def _ring_settings(self, config: Config) -> dict[str, int]:
+        return {"num_channels": config.num_channels, "capacity": config.num_max_recv_tokens,
+                "chunk": config.num_max_send_tokens}
 
-        results = []
-        for a, (_, x_scales), out, (num_recv, per_expert), h in zip(args, payloads, outputs, received, handles):
-            handle = Handle(a["rank_prefix_matrix"], a["channel_prefix_matrix"], out["recv_channel_offset"],
-                            out["recv_src_idx"], a["is_token_in_rank"], out["send_head"],
-                            h.num_recv_tokens if h is not None else num_recv, config)
-            recv_x = out["recv_x"] if out["recv_x_scales"] is None else (
-                out["recv_x"], out["recv_x_scales"].view(x_scales.dtype))  # as sent: float32 or packed UE8M0
-            results.append((recv_x, out["recv_topk_idx"], out["recv_topk_weights"], list(per_expert), handle))
-        return results
+    def _dense_layout(self, layout: Layout) -> dict[str, torch.Tensor]:
+        per_rank, _per_node, per_expert, in_rank = layout
+        return {"num_tokens_per_rank": per_rank.int().contiguous(), "num_tokens_per_expert": per_expert.int().contiguous(),
+                "is_token_in_rank": in_rank.bool().contiguous()}
 
-    def combine(self, ranks: Sequence[int], ys: Sequence[torch.Tensor], handles: Sequence[Handle],
-                topk_weights: Sequence[torch.Tensor | None], config: Config | None, stalled_rank: int = -1,
-                op: CurrentStreamOp = ON_CURRENT_STREAM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Per rank: (combined_x, combined_topk_weights): unweighted sums over the ranks each token went to."""
-        config = config or handles[0].config
-        for r, y, h, w in zip(ranks, ys, handles, topk_weights):
-            check_combine(self.device, y, h.num_recv_tokens, w, r)
-        y0 = ys[0]
-        hidden_bytes, num_topk = combine_row_shape(y0, topk_weights[0])
-        self._check(config, hidden_bytes, num_topk, self.num_ranks, len(ranks))
-        with op.launching():
-            self.runtime.cached_notify([
-                {"rank": r, "num_tokens": h.is_token_in_rank.shape[0], "send_head": h.send_head,
-                 "channel_prefix_matrix": h.channel_prefix_matrix} for r, h in zip(ranks, handles)],
-                config.num_channels, self.timeout_cycles)
-        args, results = [], []
-        for r, y, h, w in zip(ranks, ys, handles, topk_weights):
-            tokens = h.is_token_in_rank.shape[0]
-            with op.allocating():
-                combined = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
-                combined_w = None if w is None else torch.empty(tokens, num_topk, dtype=torch.float32, device=y.device)
-            with op.launching():
-                args.append({"rank": r, "num_tokens": tokens, "x": y.contiguous(),
-                             "topk_weights": None if w is None else w.float().contiguous(),
-                             "rank_prefix_matrix": h.rank_prefix_matrix, "recv_channel_offset": h.recv_channel_offset,
-                             "send_head": h.send_head, "combined_x": combined, "combined_topk_weights": combined_w})
-            results.append((combined, combined_w))
-        with op.launching():
-            self.runtime.combine(args, {
-                "hidden_bytes": hidden_bytes, "num_topk": num_topk, "num_channels": config.num_channels,
-                "capacity": config.num_max_recv_tokens, "chunk": config.num_max_send_tokens,
-                "timeout_cycles": self.timeout_cycles, "stalled_rank": stalled_rank,
-                "float32": y0.dtype == torch.float32})
-        return results
+    def _new_prefixes(self, config: Config, device: torch.device) -> dict[str, torch.Tensor]:
+        R = self.num_ranks
+        return {"rank_prefix_matrix": torch.empty(R, R, dtype=torch.int32, device=device),
+                "channel_prefix_matrix": torch.empty(R, config.num_channels, dtype=torch.int32, device=device)}
 
-    def error_record(self) -> dict[str, Any]:
-        """The first device error (code 0 = none): role (and its name), rank, channel, peer, head, tail, expected."""
-        return C.error_record(self.runtime.error_record())
+    def _received(self, counts: tuple) -> Received:
+        rows, per_expert = counts
+        return Received(rows, per_expert=per_expert)
+
+    def _received_by(self, handle: Handle) -> Received:
+        return Received(handle.num_recv_tokens)
+
+    def _new_dispatch_outputs(self, num_tokens: int, got: Received, config: Config,
+                              device: torch.device) -> dict[str, torch.Tensor]:
+        R = self.num_ranks
+        return {"recv_channel_offset": torch.empty(R, config.num_channels, dtype=torch.int32, device=device),
+                "send_head": torch.empty(num_tokens, R, dtype=torch.int32, device=device)}
+
+    def _handle(self, route: dict[str, torch.Tensor], out: dict[str, torch.Tensor], got: Received,
+                old: Handle | None, config: Config) -> Handle:
+        """A new handle, cached or not: a cached dispatch rewrites the slots and offsets it records."""
+        return Handle(route["rank_prefix_matrix"], route["channel_prefix_matrix"], out["recv_channel_offset"],
+                      out["recv_src_idx"], route["is_token_in_rank"], out["send_head"], got.rows, config)
 
 
 class Buffer:
@@ -232,7 +152,6 @@ class Buffer:
                  config: Config | InternodeConfig | None = None, timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES,
                  timeout_s: float = 100.0, rdma_transport: str = "auto", device: str | None = None,
                  schedule: Schedule | None = None, low_latency_mode: bool = False) -> None:
-        import kernels_cuda
         import torch.distributed as dist
 
         self.device = resolve_device(device)
@@ -517,8 +436,6 @@ class EmulatedGroup(EmulatedCalls, EmulatedLowLatency):
     def __init__(self, num_ranks: int, num_nvl_bytes: int, config: Config | None = None,
                  timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0, device: str | None = None,
                  schedule: Schedule | None = None, num_rdma_bytes: int = 0, low_latency_blocks: int = 4) -> None:
-        import kernels_cuda
-
         self.device = resolve_device(device)
         ext = kernels_cuda.extension(self.device)
         self.num_ranks = num_ranks

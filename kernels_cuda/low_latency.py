@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+import kernels_cuda
 from kernels_cuda import constants as C
 from kernels_cuda.emulation import check_resident
 from kernels_cuda.streams import EventOverlap
@@ -115,6 +116,7 @@ class LowLatencyEngine:
     def __init__(self, runtime: Any, num_ranks: int, timeout_cycles: int, sms: int,
                  num_blocks: int = DEFAULT_BLOCKS) -> None:
         self.runtime, self.num_ranks, self.timeout_cycles = runtime, num_ranks, timeout_cycles
+        self.args = kernels_cuda.extension_of(runtime)  # the ops' argument structs
         self.sms, self.num_blocks = sms, num_blocks
         self.seq = 0
         self.pending = False
@@ -178,14 +180,14 @@ class LowLatencyEngine:
             src_info = torch.full((local, slots), -1, dtype=torch.int32, device=device)
             layout_range = torch.zeros(local, R, dtype=torch.int64, device=device)
             count = torch.zeros(local, dtype=torch.int32, device=device)
-            args.append({"rank": r, "num_tokens": x.shape[0], "x": x.contiguous(), "topk_idx": idx.contiguous(),
-                         "src_info": src_info, "layout_range": layout_range, "packed_x": packed_x,
-                         "packed_scales": scales, "packed_count": count, "stats": st})
+            args.append(self.args.LowLatencyDispatchRank(
+                rank=r, num_tokens=x.shape[0], x=x.contiguous(), topk_idx=idx.contiguous(), src_info=src_info,
+                layout_range=layout_range, packed_x=packed_x, packed_scales=scales, packed_count=count, stats=st))
             handle = LowLatencyHandle(src_info, layout_range, max_tokens, hidden, num_experts)
             results.append([(packed_x, scales) if use_fp8 else packed_x, count, handle, EventOverlap()])
-        settings = self._settings(num_experts, num_topk, hidden, max_tokens, half, seq)
-        settings.update(use_fp8=use_fp8, round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0)
-        hook = self._run(lambda phases: self.runtime.dispatch(args, {**settings, "phases": phases}), return_recv_hook)
+        op = self._op(self.args.LowLatencyDispatchOp, num_experts, num_topk, hidden, max_tokens, half, seq,
+                      use_fp8=use_fp8, round_scale=round_scale or use_ue8m0, use_ue8m0=use_ue8m0)
+        hook = self._run(lambda phases: self.runtime.dispatch(args, op, phases), return_recv_hook)
         return [(*result, hook) for result in results]
 
     def combine(self, ranks: Sequence[int], xs: Sequence[torch.Tensor | None], topk_idx: Sequence[torch.Tensor],
@@ -209,17 +211,21 @@ class LowLatencyEngine:
         for r, x, idx, w, h, out in zip(ranks, xs, topk_idx, topk_weights, handles, outs):
             combined = out if out is not None else torch.empty(idx.shape[0], h.hidden, dtype=torch.bfloat16,
                                                                device=x.device)
-            args.append({"rank": r, "num_tokens": idx.shape[0], "x": x.contiguous(), "topk_idx": idx.contiguous(),
-                         "topk_weights": w.float().contiguous(), "src_info": h.src_info,
-                         "layout_range": h.layout_range, "combined_x": combined})
+            args.append(self.args.LowLatencyCombineRank(
+                rank=r, num_tokens=idx.shape[0], x=x.contiguous(), topk_idx=idx.contiguous(),
+                topk_weights=w.float().contiguous(), src_info=h.src_info, layout_range=h.layout_range,
+                combined_x=combined))
             results.append((combined, EventOverlap()))
-        settings = self._settings(h0.num_experts, num_topk, h0.hidden, h0.num_max_dispatch_tokens_per_rank, half, seq)
-        hook = self._run(lambda phases: self.runtime.combine(args, {**settings, "phases": phases}), return_recv_hook)
+        op = self._op(self.args.LowLatencyOp, h0.num_experts, num_topk, h0.hidden, h0.num_max_dispatch_tokens_per_rank,
+                      half, seq)
+        hook = self._run(lambda phases: self.runtime.combine(args, op, phases), return_recv_hook)
         return [(*result, hook) for result in results]
 
-    def _settings(self, num_experts: int, num_topk: int, hidden: int, max_tokens: int, half: int, seq: int) -> dict:
-        return {"num_experts": num_experts, "num_topk": num_topk, "hidden": hidden, "max_tokens": max_tokens,
-                "half": half, "seq": seq, "num_blocks": self.num_blocks, "timeout_cycles": self.timeout_cycles}
+    def _op(self, op_class: Any, num_experts: int, num_topk: int, hidden: int, max_tokens: int, half: int, seq: int,
+            **flags: bool) -> Any:
+        """An op struct of `op_class` for these sizes, this op's half and number, and this engine's launch."""
+        return op_class(num_experts=num_experts, num_topk=num_topk, hidden=hidden, max_tokens=max_tokens, half=half,
+                        seq=seq, num_blocks=self.num_blocks, timeout_cycles=self.timeout_cycles, **flags)
 
     def clean(self) -> None:
         """Zeroes this process's regions (after a failed op); the next op starts from a clean buffer."""
@@ -293,7 +299,5 @@ class EmulatedLowLatency:
 
 def size_hint(max_tokens: int, hidden: int, num_experts: int) -> int:
     """Bytes of one rank's low-latency region (independent of the number of ranks, as in DeepEP)."""
-    import kernels_cuda
-
     return int(kernels_cuda.extension(kernels_cuda.default_device()).LowLatencyRuntime.size_hint(
         max_tokens, hidden, num_experts))

@@ -1,7 +1,7 @@
 // Host side of the internode kernels (part of kernels_cuda._C, registered by register_internode).
 // InternodeRuntime holds what every internode set-up shares on top of RuntimeCore (runtime_common.h):
 // every rank's RDMA and NVLink region as this process addresses it (two RankRegions), validation
-// (validate_internode) and the parameter blocks from per-rank dicts. Set-ups:
+// (validate_internode) and the parameter blocks from the typed arguments bound here (op_args.h). Set-ups:
 //   EmulatedInternodeRuntime  nodes x GPUs ranks in one process, the regions slices of two allocations,
 //                             one launch for all ranks (Backend::kEmulated);
 //   ProcessInternodeRuntime   this process's rank; its NVLink region shared with the node's GPUs
@@ -22,41 +22,152 @@
 #include "internode_runtime.h"
 #include "rank_regions.h"
 #include "runtime_common.h"
+#include "op_args.h"
 #include "symmetric_region.h"
-#include "tensor_args.h"
+#include "cuda_check.h"
 
 namespace {
 
-ep::InternodeConfig config_of(const py::dict& s) {
-    return {s["num_channels"].cast<int>(), s["nvl_chunk"].cast<int>(), s["nvl_capacity"].cast<int>(),
-            s["rdma_chunk"].cast<int>(), s["rdma_capacity"].cast<int>()};
+struct InternodeNotifyRank : RankTokens {
+    at::Tensor num_tokens_per_rank;
+    at::Tensor num_tokens_per_node;
+    at::Tensor num_tokens_per_expert;
+    at::Tensor is_token_in_rank;
+    at::Tensor rdma_channel_prefix_matrix;  // out
+    at::Tensor gbl_channel_prefix_matrix;   // out
+    at::Tensor recv_rdma_rank_prefix_sum;   // out
+    at::Tensor recv_gbl_rank_prefix_sum;    // out
+    bool publish_counts = true;             // false for a num_worst_tokens dispatch, which allocates without them
+};
+struct InternodeNotifyOp : LaunchSettings, InternodeRings, ExpertCounts {};
+
+// The head tables are rewritten before a combine only (rewrite_heads), and needed then only.
+struct InternodeCachedNotifyRank : RankTokens {
+    at::Tensor send_rdma_head;
+    at::Tensor rdma_channel_prefix_matrix;
+    at::Tensor send_nvl_head;
+    at::Tensor recv_rdma_rank_prefix_sum;
+    at::Tensor recv_rdma_channel_offset;
+};
+struct InternodeCachedNotifyOp : LaunchSettings, InternodeRings, HeadRewrite {};
+
+struct InternodeDispatchRank : RankTokens, DispatchPayload {
+    at::Tensor rdma_channel_prefix_matrix;
+    at::Tensor gbl_channel_prefix_matrix;
+    at::Tensor recv_rdma_rank_prefix_sum;
+    at::Tensor recv_gbl_rank_prefix_sum;
+    at::Tensor recv_rdma_channel_offset;  // out
+    at::Tensor recv_gbl_channel_offset;   // out
+    at::Tensor send_rdma_head;            // out
+    at::Tensor send_nvl_head;             // out
+};
+struct InternodeDispatchOp : LaunchSettings, InternodeRings, DispatchSettings {};
+
+struct InternodeCombineRank : RankTokens, CombinePayload {
+    at::Tensor recv_gbl_rank_prefix_sum;
+    at::Tensor recv_gbl_channel_offset;
+    at::Tensor recv_rdma_rank_prefix_sum;
+    at::Tensor recv_rdma_channel_offset;
+    at::Tensor send_nvl_head;
+    at::Tensor send_rdma_head;
+};
+struct InternodeCombineOp : LaunchSettings, InternodeRings, CombineSettings {};
+
+void register_internode_args(py::module_& m) {
+    ArgClass<InternodeNotifyRank> notify(m, "InternodeNotifyRank");
+    using N = InternodeNotifyRank;
+    bind_rank_tokens(notify);
+    notify.tensor("num_tokens_per_rank", &N::num_tokens_per_rank)
+        .tensor("num_tokens_per_node", &N::num_tokens_per_node)
+        .tensor("num_tokens_per_expert", &N::num_tokens_per_expert)
+        .tensor("is_token_in_rank", &N::is_token_in_rank)
+        .tensor("rdma_channel_prefix_matrix", &N::rdma_channel_prefix_matrix)
+        .tensor("gbl_channel_prefix_matrix", &N::gbl_channel_prefix_matrix)
+        .tensor("recv_rdma_rank_prefix_sum", &N::recv_rdma_rank_prefix_sum)
+        .tensor("recv_gbl_rank_prefix_sum", &N::recv_gbl_rank_prefix_sum)
+        .value("publish_counts", &N::publish_counts);
+    ArgClass<InternodeNotifyOp> notify_op(m, "InternodeNotifyOp");
+    bind_launch_settings(notify_op);
+    bind_internode_rings(notify_op);
+    bind_expert_counts(notify_op);
+
+    ArgClass<InternodeCachedNotifyRank> cached(m, "InternodeCachedNotifyRank");
+    using C = InternodeCachedNotifyRank;
+    bind_rank_tokens(cached);
+    cached.optional_tensor("send_rdma_head", &C::send_rdma_head)
+        .optional_tensor("rdma_channel_prefix_matrix", &C::rdma_channel_prefix_matrix)
+        .optional_tensor("send_nvl_head", &C::send_nvl_head)
+        .optional_tensor("recv_rdma_rank_prefix_sum", &C::recv_rdma_rank_prefix_sum)
+        .optional_tensor("recv_rdma_channel_offset", &C::recv_rdma_channel_offset);
+    ArgClass<InternodeCachedNotifyOp> cached_op(m, "InternodeCachedNotifyOp");
+    bind_launch_settings(cached_op);
+    bind_internode_rings(cached_op);
+    bind_head_rewrite(cached_op);
+
+    ArgClass<InternodeDispatchRank> dispatch(m, "InternodeDispatchRank");
+    using D = InternodeDispatchRank;
+    bind_rank_tokens(dispatch);
+    bind_dispatch_payload(dispatch);
+    dispatch.tensor("rdma_channel_prefix_matrix", &D::rdma_channel_prefix_matrix)
+        .tensor("gbl_channel_prefix_matrix", &D::gbl_channel_prefix_matrix)
+        .tensor("recv_rdma_rank_prefix_sum", &D::recv_rdma_rank_prefix_sum)
+        .tensor("recv_gbl_rank_prefix_sum", &D::recv_gbl_rank_prefix_sum)
+        .tensor("recv_rdma_channel_offset", &D::recv_rdma_channel_offset)
+        .tensor("recv_gbl_channel_offset", &D::recv_gbl_channel_offset)
+        .tensor("send_rdma_head", &D::send_rdma_head)
+        .tensor("send_nvl_head", &D::send_nvl_head);
+    ArgClass<InternodeDispatchOp> dispatch_op(m, "InternodeDispatchOp");
+    bind_launch_settings(dispatch_op);
+    bind_internode_rings(dispatch_op);
+    bind_dispatch_settings(dispatch_op);
+
+    ArgClass<InternodeCombineRank> combine(m, "InternodeCombineRank");
+    using K = InternodeCombineRank;
+    bind_rank_tokens(combine);
+    bind_combine_payload(combine);
+    combine.tensor("recv_gbl_rank_prefix_sum", &K::recv_gbl_rank_prefix_sum)
+        .tensor("recv_gbl_channel_offset", &K::recv_gbl_channel_offset)
+        .tensor("recv_rdma_rank_prefix_sum", &K::recv_rdma_rank_prefix_sum)
+        .tensor("recv_rdma_channel_offset", &K::recv_rdma_channel_offset)
+        .tensor("send_nvl_head", &K::send_nvl_head)
+        .tensor("send_rdma_head", &K::send_rdma_head);
+    ArgClass<InternodeCombineOp> combine_op(m, "InternodeCombineOp");
+    bind_launch_settings(combine_op);
+    bind_internode_rings(combine_op);
+    bind_combine_settings(combine_op);
+}
+
+// The channels and rings of an op (ep_internode.h).
+template <typename Op>
+ep::InternodeConfig config_of(const Op& op) {
+    return {op.num_channels, op.nvl_chunk, op.nvl_capacity, op.rdma_chunk, op.rdma_capacity};
 }
 
 class InternodeRuntime : public RuntimeCore {
    public:
     // Count exchange; resets this launch's mapped counters to -1 first.
-    void notify(const std::vector<py::dict>& ranks, const py::dict& s) {
+    void notify(const std::vector<InternodeNotifyRank>& ranks, const InternodeNotifyOp& op) {
         ep::InternodeNotifyParams p{};
-        fill_common(p, ranks.size(), s, 16);
-        p.num_experts = s["num_experts"].cast<int>();
+        fill_common(p, ranks.size(), op, 16);
+        p.num_experts = op.num_experts;
         TORCH_CHECK(p.num_experts % world_size_ == 0 && p.num_experts / world_size_ <= ep::kMaxLocalExperts,
                     "kernels_cuda: bad number of experts");
-        p.expert_alignment = s["expert_alignment"].cast<int>();
+        p.expert_alignment = op.expert_alignment;
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const InternodeNotifyRank& d = ranks[i];
             ep::InternodeNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.num_tokens_per_rank = ptr<int>(d, "num_tokens_per_rank");
-            a.num_tokens_per_node = ptr<int>(d, "num_tokens_per_node");
-            a.num_tokens_per_expert = ptr<int>(d, "num_tokens_per_expert");
-            a.is_token_in_rank = ptr<bool>(d, "is_token_in_rank");
-            a.rdma_channel_prefix_matrix = ptr<int>(d, "rdma_channel_prefix_matrix");
-            a.gbl_channel_prefix_matrix = ptr<int>(d, "gbl_channel_prefix_matrix");
-            a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
-            a.recv_gbl_rank_prefix_sum = ptr<int>(d, "recv_gbl_rank_prefix_sum");
+            a.num_tokens_per_rank = data_of<int>(d.num_tokens_per_rank);
+            a.num_tokens_per_node = data_of<int>(d.num_tokens_per_node);
+            a.num_tokens_per_expert = data_of<int>(d.num_tokens_per_expert);
+            a.is_token_in_rank = data_of<bool>(d.is_token_in_rank);
+            a.rdma_channel_prefix_matrix = data_of<int>(d.rdma_channel_prefix_matrix);
+            a.gbl_channel_prefix_matrix = data_of<int>(d.gbl_channel_prefix_matrix);
+            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
+            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
             // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
             // otherwise land after the next notify reset the counters and pass for its counts.
-            if (!publishes_counts(d)) continue;
+            if (!d.publish_counts) continue;
             const CountSlots slots = reset_counts(static_cast<int>(i), p.num_experts / world_size_);
             a.recv_counter = slots.rows;
             a.recv_rdma_counter = slots.rdma_records;
@@ -78,92 +189,69 @@ class InternodeRuntime : public RuntimeCore {
         return dispatch_layout(topk_idx, num_experts, world_size_, gpus_);
     }
 
-    void cached_notify(const std::vector<py::dict>& ranks, const py::dict& s) {
+    void cached_notify(const std::vector<InternodeCachedNotifyRank>& ranks, const InternodeCachedNotifyOp& op) {
         ep::InternodeCachedNotifyParams p{};
-        fill_common(p, ranks.size(), s, 16);
-        p.rewrite_heads = s["rewrite_heads"].cast<bool>();
+        fill_common(p, ranks.size(), op, 16);
+        p.rewrite_heads = op.rewrite_heads;
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const InternodeCachedNotifyRank& d = ranks[i];
             ep::InternodeCachedNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
             if (!p.rewrite_heads) continue;
-            a.send_rdma_head = ptr<int>(d, "send_rdma_head");
-            a.rdma_channel_prefix_matrix = ptr<int>(d, "rdma_channel_prefix_matrix");
-            a.send_nvl_head = ptr<int>(d, "send_nvl_head");
-            a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
-            a.recv_rdma_channel_offset = ptr<int>(d, "recv_rdma_channel_offset");
+            a.send_rdma_head = required_data<int>(d.send_rdma_head, "send_rdma_head");
+            a.rdma_channel_prefix_matrix = required_data<int>(d.rdma_channel_prefix_matrix, "rdma_channel_prefix_matrix");
+            a.send_nvl_head = required_data<int>(d.send_nvl_head, "send_nvl_head");
+            a.recv_rdma_rank_prefix_sum = required_data<int>(d.recv_rdma_rank_prefix_sum, "recv_rdma_rank_prefix_sum");
+            a.recv_rdma_channel_offset = required_data<int>(d.recv_rdma_channel_offset, "recv_rdma_channel_offset");
         }
         check_cuda(ep::launch_internode_cached_notify(p, backend_, stream_.get()), "internode cached notify");
     }
 
-    void dispatch(const std::vector<py::dict>& ranks, const py::dict& s) {
+    void dispatch(const std::vector<InternodeDispatchRank>& ranks, const InternodeDispatchOp& op) {
         ep::InternodeDispatchParams p{};
-        const int hidden_bytes = s["hidden_bytes"].cast<int>(), num_topk = s["num_topk"].cast<int>();
-        p.num_scales = s["num_scales"].cast<int>();
-        p.record = ep::internode_dispatch_record(hidden_bytes, p.num_scales, num_topk);
-        fill_common(p, ranks.size(), s, p.record.bytes);
-        validate(s, hidden_bytes, num_topk);
-        p.hidden_int4 = hidden_bytes / 16;
-        p.num_topk = num_topk;
-        p.num_experts = s["num_experts"].cast<int>();
-        p.nvl_chunk = s["nvl_chunk"].cast<int>();
-        p.rdma_chunk = s["rdma_chunk"].cast<int>();
-        p.num_worst_tokens = s["num_worst_tokens"].cast<int>();
-        p.stalled_rank = s["stalled_rank"].cast<int>();
+        p.record = ep::internode_dispatch_record(op.hidden_bytes, op.num_scales, op.num_topk);
+        fill_common(p, ranks.size(), op, p.record.bytes);
+        validate(op, op.num_experts / world_size_);
+        fill_dispatch_settings(p, op);
+        p.nvl_chunk = op.nvl_chunk;
+        p.rdma_chunk = op.rdma_chunk;
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const InternodeDispatchRank& d = ranks[i];
             ep::InternodeDispatchRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.x = ptr<void>(d, "x");
-            a.x_scales = ptr_or_null<float>(d, "x_scales");
-            a.scale_token_stride = d["scale_token_stride"].cast<int64_t>();
-            a.scale_hidden_stride = d["scale_hidden_stride"].cast<int64_t>();
-            a.topk_idx = ptr_or_null<int64_t>(d, "topk_idx");
-            a.topk_weights = ptr_or_null<float>(d, "topk_weights");
-            a.is_token_in_rank = ptr<bool>(d, "is_token_in_rank");
-            a.rdma_channel_prefix_matrix = ptr<int>(d, "rdma_channel_prefix_matrix");
-            a.gbl_channel_prefix_matrix = ptr<int>(d, "gbl_channel_prefix_matrix");
-            a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
-            a.recv_gbl_rank_prefix_sum = ptr<int>(d, "recv_gbl_rank_prefix_sum");
-            a.recv_x = ptr<void>(d, "recv_x");
-            a.recv_x_scales = ptr_or_null<float>(d, "recv_x_scales");
-            a.recv_src_idx = ptr<int>(d, "recv_src_idx");
-            a.recv_topk_idx = ptr_or_null<int64_t>(d, "recv_topk_idx");
-            a.recv_topk_weights = ptr_or_null<float>(d, "recv_topk_weights");
-            a.recv_rdma_channel_offset = ptr<int>(d, "recv_rdma_channel_offset");
-            a.recv_gbl_channel_offset = ptr<int>(d, "recv_gbl_channel_offset");
-            a.send_rdma_head = ptr<int>(d, "send_rdma_head");
-            a.send_nvl_head = ptr<int>(d, "send_nvl_head");
+            fill_dispatch_payload(a, d);
+            a.rdma_channel_prefix_matrix = data_of<int>(d.rdma_channel_prefix_matrix);
+            a.gbl_channel_prefix_matrix = data_of<int>(d.gbl_channel_prefix_matrix);
+            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
+            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
+            a.recv_rdma_channel_offset = data_of<int>(d.recv_rdma_channel_offset);
+            a.recv_gbl_channel_offset = data_of<int>(d.recv_gbl_channel_offset);
+            a.send_rdma_head = data_of<int>(d.send_rdma_head);
+            a.send_nvl_head = data_of<int>(d.send_nvl_head);
         }
         check_cuda(ep::launch_internode_dispatch(p, backend_, stream_.get()), "internode dispatch");
     }
 
-    void combine(const std::vector<py::dict>& ranks, const py::dict& s) {
+    void combine(const std::vector<InternodeCombineRank>& ranks, const InternodeCombineOp& op) {
         ep::InternodeCombineParams p{};
-        const int hidden_bytes = s["hidden_bytes"].cast<int>(), num_topk = s["num_topk"].cast<int>();
-        p.record = ep::combine_record(hidden_bytes, num_topk);
-        fill_common(p, ranks.size(), s, p.record.bytes);
-        validate(s, hidden_bytes, num_topk);
-        p.hidden_int4 = hidden_bytes / 16;
-        p.num_topk = num_topk;
-        p.nvl_chunk = s["nvl_chunk"].cast<int>();
-        p.rdma_chunk = s["rdma_chunk"].cast<int>();
-        p.stalled_rank = s["stalled_rank"].cast<int>();
-        const auto payload = s["float32"].cast<bool>() ? ep::Payload::kFloat32 : ep::Payload::kBF16;
+        p.record = ep::combine_record(op.hidden_bytes, op.num_topk);
+        fill_common(p, ranks.size(), op, p.record.bytes);
+        validate(op, 1);
+        fill_combine_settings(p, op);
+        p.nvl_chunk = op.nvl_chunk;
+        p.rdma_chunk = op.rdma_chunk;
+        const auto payload = op.float32 ? ep::Payload::kFloat32 : ep::Payload::kBF16;
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const InternodeCombineRank& d = ranks[i];
             ep::InternodeCombineRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.x = ptr<void>(d, "x");
-            a.topk_weights = ptr_or_null<float>(d, "topk_weights");
-            a.recv_gbl_rank_prefix_sum = ptr<int>(d, "recv_gbl_rank_prefix_sum");
-            a.recv_gbl_channel_offset = ptr<int>(d, "recv_gbl_channel_offset");
-            a.recv_rdma_rank_prefix_sum = ptr<int>(d, "recv_rdma_rank_prefix_sum");
-            a.recv_rdma_channel_offset = ptr<int>(d, "recv_rdma_channel_offset");
-            a.send_nvl_head = ptr<int>(d, "send_nvl_head");
-            a.send_rdma_head = ptr<int>(d, "send_rdma_head");
-            a.combined_x = ptr<void>(d, "combined_x");
-            a.combined_topk_weights = ptr_or_null<float>(d, "combined_topk_weights");
+            fill_combine_payload(a, d);
+            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
+            a.recv_gbl_channel_offset = data_of<int>(d.recv_gbl_channel_offset);
+            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
+            a.recv_rdma_channel_offset = data_of<int>(d.recv_rdma_channel_offset);
+            a.send_nvl_head = data_of<int>(d.send_nvl_head);
+            a.send_rdma_head = data_of<int>(d.send_rdma_head);
         }
         check_cuda(ep::launch_internode_combine(p, backend_, payload, stream_.get()), "internode combine");
     }
@@ -176,12 +264,6 @@ class InternodeRuntime : public RuntimeCore {
     at::Tensor nvl_region(int rank) const {
         check_launch_rank(rank);
         return nvl_.bytes_view(rank, nvl_bytes_);
-    }
-
-    // Bytes each region needs for `record_bytes` (dispatch or combine record) under this config.
-    static std::pair<int64_t, int64_t> region_bytes(const py::dict& s, int num_nodes, int gpus, int record_bytes) {
-        const ep::InternodeLayout l = ep::make_internode_layout(config_of(s), num_nodes, gpus, record_bytes);
-        return {l.rdma.total, l.nvl.total};
     }
 
    protected:
@@ -208,10 +290,10 @@ class InternodeRuntime : public RuntimeCore {
     }
 
     // The launch fields (RuntimeCore::fill_launch), then both regions' layouts for records of `record_bytes`.
-    template <typename Params>
-    void fill_common(Params& p, size_t launch_ranks, const py::dict& s, int record_bytes) const {
-        const ep::InternodeConfig cfg = config_of(s);
-        fill_launch(p, launch_ranks, cfg.num_channels, s["timeout_cycles"].cast<int64_t>());
+    template <typename Params, typename Op>
+    void fill_common(Params& p, size_t launch_ranks, const Op& op, int record_bytes) const {
+        const ep::InternodeConfig cfg = config_of(op);
+        fill_launch(p, launch_ranks, cfg.num_channels, op.timeout_cycles);
         p.num_nodes = nodes_;
         p.gpus = gpus_;
         p.layout = ep::make_internode_layout(cfg, nodes_, gpus_, record_bytes);
@@ -221,8 +303,8 @@ class InternodeRuntime : public RuntimeCore {
 
     // What every rank's arguments have: its place in the world, the regions it reaches, its tokens.
     template <typename RankArgs>
-    void fill_rank(RankArgs& a, const py::dict& d) const {
-        const int rank = d["rank"].cast<int>();
+    void fill_rank(RankArgs& a, const RankTokens& d) const {
+        const int rank = d.rank;
         check_launch_rank(rank);
         a.peers = ep::InternodePeers{};
         a.peers.rank = rank;
@@ -231,12 +313,14 @@ class InternodeRuntime : public RuntimeCore {
         a.peers.gpus = gpus_;
         for (int m = 0; m < nodes_; ++m) a.peers.rdma[m] = rdma_.at(m * gpus_ + a.peers.gpu);
         for (int j = 0; j < gpus_; ++j) a.peers.nvl[j] = nvl_.at(a.peers.node * gpus_ + j);
-        a.num_tokens = d["num_tokens"].cast<int>();
+        a.num_tokens = d.num_tokens;
     }
 
-    void validate(const py::dict& s, int hidden_bytes, int num_topk) const {
-        const int local_experts = s.contains("num_experts") ? s["num_experts"].cast<int>() / world_size_ : 1;
-        const char* error = ep::validate_internode(config_of(s), nodes_, gpus_, hidden_bytes, num_topk, local_experts);
+    // The op's channels and rings for its rows (ep_internode.h's validate_internode).
+    template <typename Op>
+    void validate(const Op& op, int local_experts) const {
+        const char* error =
+            ep::validate_internode(config_of(op), nodes_, gpus_, op.hidden_bytes, op.num_topk, local_experts);
         TORCH_CHECK(error == nullptr, "kernels_cuda: invalid internode config: ", error);
     }
 };
@@ -341,6 +425,7 @@ class NvshmemInternodeRuntime final : public ProcessInternodeRuntime {
 }  // namespace
 
 void register_internode(py::module_& m) {
+    register_internode_args(m);
     py::class_<InternodeRuntime> runtime(m, "InternodeRuntime");
     runtime.def("notify", &InternodeRuntime::notify)
         .def("get_dispatch_layout", &InternodeRuntime::get_dispatch_layout)
@@ -349,8 +434,7 @@ void register_internode(py::module_& m) {
         .def("dispatch", &InternodeRuntime::dispatch)
         .def("combine", &InternodeRuntime::combine)
         .def("rdma_region", &InternodeRuntime::rdma_region)
-        .def("nvl_region", &InternodeRuntime::nvl_region)
-        .def_static("region_bytes", &InternodeRuntime::region_bytes);
+        .def("nvl_region", &InternodeRuntime::nvl_region);
     bind_runtime_core(runtime);
     py::class_<EmulatedInternodeRuntime, InternodeRuntime>(m, "EmulatedInternodeRuntime")
         .def(py::init<int, int, int64_t, int64_t>());

@@ -2,8 +2,8 @@
 // process addresses it (one rank per process, its peers' regions mapped through CUDA IPC, or shared
 // memory on the CPU emulation; or every rank emulated in one process; NvshmemLowLatencyRuntime: the
 // region in NVSHMEM's symmetric heap, for peers on other machines), checks the sizes and fills the
-// kernels' parameter block (ep_low_latency.h) from per-rank dicts of tensors. Which half an op uses,
-// its number and the hook rule are kept by the Python engine (kernels_cuda/low_latency.py).
+// kernels' parameter block (ep_low_latency.h) from the typed arguments bound here (op_args.h). Which
+// half an op uses, its number and the hook rule are kept by the Python engine (kernels_cuda/low_latency.py).
 #include "low_latency_runtime.h"
 
 #include <cuda_runtime.h>
@@ -13,41 +13,102 @@
 #include <vector>
 
 #include "../ep_low_latency.h"
-#include "rank_regions.h"
+#include "op_args.h"
+#include "region_runtime.h"
 #include "runtime_common.h"
-#include "tensor_args.h"
+#include "cuda_check.h"
 
 #include "symmetric_region.h"
 
 namespace {
 
-class LowLatencyRuntime : public RuntimeCore {
+// What a rank's dispatch and combine both take: its tokens and routing, and the handle's tensors.
+struct LowLatencyRank : RankTokens {
+    at::Tensor x;
+    at::Tensor topk_idx;
+    at::Tensor src_info;
+    at::Tensor layout_range;
+};
+struct LowLatencyDispatchRank : LowLatencyRank {
+    at::Tensor packed_x;       // out
+    at::Tensor packed_scales;  // out; None without FP8
+    at::Tensor packed_count;   // out
+    at::Tensor stats;          // cumulative_local_expert_recv_stats, or None
+};
+struct LowLatencyCombineRank : LowLatencyRank {
+    at::Tensor topk_weights;
+    at::Tensor combined_x;  // out
+};
+
+// Sizes and the op's half and number (kept by kernels_cuda/low_latency.py); the phases are the call's.
+struct LowLatencyOp {
+    int num_experts = 0;
+    int num_topk = 0;
+    int hidden = 0;
+    int max_tokens = 0;
+    int half = 0;
+    int seq = 0;
+    int num_blocks = 0;
+    int64_t timeout_cycles = 0;
+};
+struct LowLatencyDispatchOp : LowLatencyOp {
+    bool use_fp8 = false;
+    bool round_scale = false;
+    bool use_ue8m0 = false;
+};
+
+template <typename T>
+void bind_low_latency_rank(ArgClass<T>& c) {
+    bind_rank_tokens(c);
+    c.tensor("x", &LowLatencyRank::x)
+        .tensor("topk_idx", &LowLatencyRank::topk_idx)
+        .tensor("src_info", &LowLatencyRank::src_info)
+        .tensor("layout_range", &LowLatencyRank::layout_range);
+}
+
+template <typename T>
+void bind_low_latency_op(ArgClass<T>& c) {
+    using S = LowLatencyOp;
+    c.value("num_experts", &S::num_experts)
+        .value("num_topk", &S::num_topk)
+        .value("hidden", &S::hidden)
+        .value("max_tokens", &S::max_tokens)
+        .value("half", &S::half)
+        .value("seq", &S::seq)
+        .value("num_blocks", &S::num_blocks)
+        .value("timeout_cycles", &S::timeout_cycles);
+}
+
+void register_low_latency_args(py::module_& m) {
+    ArgClass<LowLatencyDispatchRank> dispatch(m, "LowLatencyDispatchRank");
+    bind_low_latency_rank(dispatch);
+    dispatch.tensor("packed_x", &LowLatencyDispatchRank::packed_x)
+        .optional_tensor("packed_scales", &LowLatencyDispatchRank::packed_scales)
+        .tensor("packed_count", &LowLatencyDispatchRank::packed_count)
+        .optional_tensor("stats", &LowLatencyDispatchRank::stats);
+    ArgClass<LowLatencyCombineRank> combine(m, "LowLatencyCombineRank");
+    bind_low_latency_rank(combine);
+    combine.tensor("topk_weights", &LowLatencyCombineRank::topk_weights)
+        .tensor("combined_x", &LowLatencyCombineRank::combined_x);
+    ArgClass<LowLatencyOp> op(m, "LowLatencyOp");
+    bind_low_latency_op(op);
+    ArgClass<LowLatencyDispatchOp> dispatch_op(m, "LowLatencyDispatchOp");
+    bind_low_latency_op(dispatch_op);
+    dispatch_op.value("use_fp8", &LowLatencyDispatchOp::use_fp8)
+        .value("round_scale", &LowLatencyDispatchOp::round_scale)
+        .value("use_ue8m0", &LowLatencyDispatchOp::use_ue8m0);
+}
+
+class LowLatencyRuntime : public RegionRuntime {
    public:
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, bool emulated)
         : LowLatencyRuntime(rank, num_ranks, num_bytes, emulated ? ep::Backend::kEmulated : ep::Backend::kNvlink) {
-        if (emulated)
-            regions_.allocate_all(num_bytes);
-        else
-            regions_.allocate(rank, num_bytes);
+        allocate_own();
     }
-
-    ~LowLatencyRuntime() override { destroy(); }
 
     // Bytes per rank for these sizes (Buffer.get_low_latency_rdma_size_hint).
     static int64_t size_hint(int max_tokens, int hidden, int num_experts) {
         return ep::make_low_latency_layout(num_experts, max_tokens, hidden).total;
-    }
-
-    void destroy() { regions_.release_when_idle(); }
-
-    py::bytes ipc_handle() const {
-        require_alive();
-        return regions_.ipc_handle();
-    }
-
-    void open_ipc_handles(const std::vector<py::bytes>& handles) {
-        TORCH_CHECK(!every_rank(), "kernels_cuda: the emulated back end has no IPC peers");
-        regions_.open_peers(handles, launch_rank_);
     }
 
     // Zeroes the regions of the ranks this process launches: signals, counters and the clean word.
@@ -69,42 +130,33 @@ class LowLatencyRuntime : public RuntimeCore {
                                 launch_device_options(at::kBFloat16));
     }
 
-    // `rank`'s whole region as bytes (get_local_buffer_tensor): a view, valid until destroy().
-    at::Tensor region(int rank) const {
-        require_alive();
-        check_launch_rank(rank);
-        return regions_.bytes_view(rank, num_bytes_);
-    }
-
-    void dispatch(const std::vector<py::dict>& ranks, const py::dict& s) {
-        ep::LowLatencyParams p = params(ranks, s);
-        p.use_fp8 = s["use_fp8"].cast<bool>();
-        p.round_scale = s["round_scale"].cast<bool>();
-        p.use_ue8m0 = s["use_ue8m0"].cast<bool>();
+    void dispatch(const std::vector<LowLatencyDispatchRank>& ranks, const LowLatencyDispatchOp& op, int phases) {
+        ep::LowLatencyParams p = params(ranks, op, phases);
+        p.use_fp8 = op.use_fp8;
+        p.round_scale = op.round_scale;
+        p.use_ue8m0 = op.use_ue8m0;
         TORCH_CHECK(!p.use_fp8 || p.hidden % 128 == 0, "kernels_cuda: FP8 needs the hidden size to be a multiple of 128");
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const LowLatencyDispatchRank& d = ranks[i];
             ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.packed_x = ptr<void>(d, "packed_x");
-            a.packed_scales = ptr_or_null<void>(d, "packed_scales");
-            a.packed_count = ptr<int>(d, "packed_count");
-            a.stats = ptr_or_null<int>(d, "stats");
+            a.packed_x = data_of<void>(d.packed_x);
+            a.packed_scales = data_of<void>(d.packed_scales);
+            a.packed_count = data_of<int>(d.packed_count);
+            a.stats = data_of<int>(d.stats);
         }
         check_cuda(ep::launch_low_latency_dispatch(p, backend_, stream_.get()), "low_latency_dispatch");
     }
 
-    void combine(const std::vector<py::dict>& ranks, const py::dict& s) {
-        ep::LowLatencyParams p = params(ranks, s);
+    void combine(const std::vector<LowLatencyCombineRank>& ranks, const LowLatencyOp& op, int phases) {
+        ep::LowLatencyParams p = params(ranks, op, phases);
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const LowLatencyCombineRank& d = ranks[i];
             ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.topk_weights = ptr<float>(d, "topk_weights");
-            a.combined_x = ptr<void>(d, "combined_x");
+            a.topk_weights = data_of<float>(d.topk_weights);
+            a.combined_x = data_of<void>(d.combined_x);
         }
         check_cuda(ep::launch_low_latency_combine(p, backend_, stream_.get()), "low_latency_combine");
     }
-
-    int64_t num_bytes() const { return num_bytes_; }
 
     // Whether the sources of the kernels' puts must lie in the region (NVSHMEM): the combine's input is
     // then copied into the zero-copy buffer first.
@@ -112,24 +164,9 @@ class LowLatencyRuntime : public RuntimeCore {
 
    protected:
     LowLatencyRuntime(int rank, int num_ranks, int64_t num_bytes, ep::Backend backend)
-        : RuntimeCore(checked_world(num_ranks, num_bytes), rank, backend),
-          num_bytes_(num_bytes),
-          regions_("low-latency region", num_ranks) {}
-
-    RankRegions regions_;  // by rank
+        : RegionRuntime("low-latency region", rank, num_ranks, num_bytes, backend) {}
 
    private:
-    static int checked_world(int num_ranks, int64_t num_bytes) {
-        TORCH_CHECK(num_ranks >= 1 && num_ranks <= ep::kMaxRanks, "kernels_cuda: num_ranks must be in [1, ",
-                    ep::kMaxRanks, "]");
-        check_buffer_bytes(num_bytes);
-        return num_ranks;
-    }
-
-    void require_alive() const {
-        TORCH_CHECK(regions_.allocated(), "kernels_cuda: the low-latency buffer was destroyed");
-    }
-
     ep::LowLatencyLayout checked_layout(int num_experts, int max_tokens, int hidden) const {
         TORCH_CHECK(num_experts % world_size_ == 0 && max_tokens >= 1 && hidden >= 8 && hidden % 8 == 0,
                     "kernels_cuda: bad low-latency sizes (experts must split over ranks, hidden a multiple of 8: "
@@ -141,40 +178,39 @@ class LowLatencyRuntime : public RuntimeCore {
 
     // What dispatch and combine share: sizes, the op's half, number and phases, and per rank its
     // tokens, routing, the handle tensors and every rank's region as this process sees it.
-    ep::LowLatencyParams params(const std::vector<py::dict>& ranks, const py::dict& s) const {
+    template <typename Rank>
+    ep::LowLatencyParams params(const std::vector<Rank>& ranks, const LowLatencyOp& op, int phases) const {
         ep::LowLatencyParams p{};
-        fill_launch(p, ranks.size(), s["num_blocks"].cast<int>(), s["timeout_cycles"].cast<int64_t>());
+        fill_launch(p, ranks.size(), op.num_blocks, op.timeout_cycles);
         p.num_ranks = world_size_;
-        p.num_experts = s["num_experts"].cast<int>();
-        p.num_topk = s["num_topk"].cast<int>();
-        p.hidden = s["hidden"].cast<int>();
-        p.max_tokens = s["max_tokens"].cast<int>();
-        p.half = s["half"].cast<int>();
-        p.seq = s["seq"].cast<int>();
-        p.phases = s["phases"].cast<int>();
+        p.num_experts = op.num_experts;
+        p.num_topk = op.num_topk;
+        p.hidden = op.hidden;
+        p.max_tokens = op.max_tokens;
+        p.half = op.half;
+        p.seq = op.seq;
+        p.phases = phases;
         TORCH_CHECK(p.num_topk >= 1 && p.num_topk <= ep::kLowLatencyMaxTopk, "kernels_cuda: num_topk must be in [1, ",
                     ep::kLowLatencyMaxTopk, "]");
         TORCH_CHECK((p.half == 0 || p.half == 1) && p.seq > 0 && p.phases >= 1 && p.phases <= 3,
                     "kernels_cuda: bad low-latency op (half, seq or phases)");
         p.layout = checked_layout(p.num_experts, p.max_tokens, p.hidden);
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const py::dict& d = ranks[i];
+            const LowLatencyRank& d = ranks[i];
             ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.rank = d["rank"].cast<int>();
-            a.num_tokens = d["num_tokens"].cast<int>();
+            a.rank = d.rank;
+            a.num_tokens = d.num_tokens;
             check_launch_rank(a.rank);
             TORCH_CHECK(a.num_tokens >= 0 && a.num_tokens <= p.max_tokens, "kernels_cuda: rank ", a.rank, " has ",
                         a.num_tokens, " tokens, more than num_max_dispatch_tokens_per_rank=", p.max_tokens);
             for (int r = 0; r < world_size_; ++r) a.peers[r] = regions_.at(r);
-            a.x = ptr<void>(d, "x");
-            a.topk_idx = ptr<int64_t>(d, "topk_idx");
-            a.src_info = ptr<int>(d, "src_info");
-            a.layout_range = ptr<int64_t>(d, "layout_range");
+            a.x = data_of<void>(d.x);
+            a.topk_idx = data_of<int64_t>(d.topk_idx);
+            a.src_info = data_of<int>(d.src_info);
+            a.layout_range = data_of<int64_t>(d.layout_range);
         }
         return p;
     }
-
-    const int64_t num_bytes_;
 };
 
 #if defined(EP_WITH_NVSHMEM)
@@ -194,20 +230,16 @@ class NvshmemLowLatencyRuntime final : public LowLatencyRuntime {
 }  // namespace
 
 void register_low_latency(py::module_& m) {
+    register_low_latency_args(m);
     py::class_<LowLatencyRuntime> runtime(m, "LowLatencyRuntime");
     runtime.def(py::init<int, int, int64_t, bool>())
         .def_static("size_hint", &LowLatencyRuntime::size_hint)
-        .def("ipc_handle", &LowLatencyRuntime::ipc_handle)
-        .def("open_ipc_handles", &LowLatencyRuntime::open_ipc_handles)
-        .def("destroy", &LowLatencyRuntime::destroy)
         .def("clean", &LowLatencyRuntime::clean)
         .def("combine_buffer", &LowLatencyRuntime::combine_buffer)
-        .def("region", &LowLatencyRuntime::region)
         .def("dispatch", &LowLatencyRuntime::dispatch)
         .def("combine", &LowLatencyRuntime::combine)
-        .def_property_readonly("num_bytes", &LowLatencyRuntime::num_bytes)
         .def_property_readonly("symmetric_sources", &LowLatencyRuntime::symmetric_sources);
-    bind_runtime_core(runtime);
+    bind_region_runtime(runtime);
 #if defined(EP_WITH_NVSHMEM)
     py::class_<NvshmemLowLatencyRuntime, LowLatencyRuntime>(m, "NvshmemLowLatencyRuntime")
         .def(py::init<int, int, int64_t, const std::string&>())

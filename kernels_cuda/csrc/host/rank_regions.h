@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "tensor_args.h"
+#include "cuda_check.h"
+#include "device_api.h"
 
 class RankRegions {
    public:
@@ -45,6 +46,8 @@ class RankRegions {
 
     bool allocated() const { return memory_ != nullptr; }
 
+    void require_allocated() const { TORCH_CHECK(allocated(), "kernels_cuda: the ", kind_, " was destroyed"); }
+
     py::bytes ipc_handle() const {
         cudaIpcMemHandle_t handle;
         check_cuda(cudaIpcGetMemHandle(&handle, memory_.get()), "cudaIpcGetMemHandle");
@@ -65,7 +68,7 @@ class RankRegions {
 
     // Maps every peer's region from the handles their processes exported (one per rank, `self`'s skipped).
     void open_peers(const std::vector<py::bytes>& handles, int self) {
-        TORCH_CHECK(allocated(), "kernels_cuda: the ", kind_, " was destroyed");
+        require_allocated();
         TORCH_CHECK(handles.size() == base_.size(), "kernels_cuda: need one IPC handle per rank");
         for (int r = 0; r < static_cast<int>(base_.size()); ++r)
             if (r != self) open(r, handles[r]);

@@ -18,7 +18,7 @@
 #include "../ep_diag.h"
 #include "../ep_params.h"
 #include "device_api.h"
-#include "tensor_args.h"
+#include "cuda_check.h"
 
 // Zeroed host memory that the GPU writes through device().
 template <typename T>

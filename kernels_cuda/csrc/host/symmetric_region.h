@@ -9,9 +9,9 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_check.h"
 #include "nvshmem_world.h"
 #include "rank_regions.h"
-#include "tensor_args.h"
 
 namespace symmetric_region {
 
