@@ -377,10 +377,12 @@ def _probe_blockwise_kernel(device_type: str, index: int | None, out_dtype: torc
         values = torch.randn(rows, cols, generator=gen) * magnitudes.repeat_interleave(TILE, dim=1)
         return values.to(torch.device(device_type, index))
 
-    a = quantize_1x128(tiled_randn(128, 256))
+    # quantize_tiles itself: the probe may first run inside a GEMM, where the named quantizers are in use
+    a = quantize_tiles(tiled_randn(128, 256), 1)
     weight = tiled_randn(256, 256)
+    blocks = quantize_tiles(weight, TILE)
     try:
-        for b in (quantize_128x128(weight), quantize_128x128(weight).t(), quantize_1x128(weight)):
+        for b in (blocks, blocks.t(), quantize_tiles(weight, 1)):
             got = _torch_blockwise_mm(a, b, out_dtype).float()
             want = emulated_fp8_mm(a, b, torch.float32)
             if not torch.allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * want.abs().max().item()):
