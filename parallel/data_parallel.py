@@ -48,7 +48,7 @@ def build_buffers(model: nn.Module, topology: Topology | None, dtype: torch.dtyp
     replicas = [(names[id(p)], p) for p in replicated]
     others = [(n, p) for n, p in named if id(p) not in position]
     dp, expert_dp, pair_dense, pair_expert = ((LOCAL,) * 4 if topology is None else
-                                              (ReplicaGroup.of(topology.dp_group), ReplicaGroup.of(topology.expert_dp_group),
+                                              (ReplicaGroup.of(topology.group("dp")), ReplicaGroup.of(topology.group("expert_dp")),
                                                *(ReplicaGroup.of(g) if g is not None else LOCAL for g in replica_groups)))
     groups = [([(n, p) for n, p in others if not is_expert_parameter(n)], dp),
               ([(n, p) for n, p in others if is_expert_parameter(n)], expert_dp),
@@ -118,5 +118,5 @@ class GradientSync:
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of `tensor` over this stage's dp ranks (expert loads, loss sums); in place."""
         if self.topology is not None:
-            dist.all_reduce(tensor, group=self.topology.dp_group)
+            dist.all_reduce(tensor, group=self.topology.group("dp"))
         return tensor

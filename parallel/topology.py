@@ -240,33 +240,10 @@ class Topology:
         return group_ranks(self.world_size, self.pp, self.ep, self.gpus_per_node).containing(kind, self.rank)
 
     def group(self, kind: str) -> dist.ProcessGroup:
+        """This rank's process group of `kind` (one of GROUP_KINDS)."""
         if kind not in self.groups:
             raise RuntimeError(f"no {kind!r} process group: build the topology with build_topology()")
         return self.groups[kind]
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.group("pp")
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.group("dp")
-
-    @property
-    def ep_group(self) -> dist.ProcessGroup:
-        return self.group("ep")
-
-    @property
-    def expert_dp_group(self) -> dist.ProcessGroup:
-        return self.group("expert_dp")
-
-    @property
-    def intra_node_group(self) -> dist.ProcessGroup:
-        return self.group("intra_node")
-
-    @property
-    def rail_group(self) -> dist.ProcessGroup:
-        return self.group("rail")
 
     def destroy_groups(self) -> None:
         """Destroy this topology's subgroups (not the default group)."""

@@ -130,14 +130,14 @@ def decode_exchange(config: Config, topology: Topology | None) -> LowLatencyExpe
     if topology is None:
         return LowLatencyExperts(LowLatencyExchange(SimulatedEPGroup(1, 1).comms[0].ep), experts, tokens)
     if choose_dispatcher(config, topology) != "native":
-        return LowLatencyExperts(LowLatencyExchange(ProcessGroupComm(topology.ep_group)), experts, tokens)
+        return LowLatencyExperts(LowLatencyExchange(ProcessGroupComm(topology.group("ep"))), experts, tokens)
     from kernels_cuda import Buffer
 
     ep, device = topology.ep, device_type(config.train)
     # The normal-mode regions are not used by the decode steps: the smallest the buffer takes.
     nvl, rdma = Buffer.get_buffer_size_hints(topology.ep_nodes, topology.ep_ranks_per_node, 16, 1)
     low_latency = Buffer.get_low_latency_rdma_size_hint(tokens, config.model.hidden_size, ep, experts)
-    buffer = Buffer(topology.ep_group, nvl, max(rdma, low_latency), ranks_per_node=topology.ep_ranks_per_node,
+    buffer = Buffer(topology.group("ep"), nvl, max(rdma, low_latency), ranks_per_node=topology.ep_ranks_per_node,
                     timeout_s=config.parallel.timeout_s, device=device, low_latency_mode=True)
     return LowLatencyExperts(buffer, experts, tokens, row_dtype=torch.bfloat16)
 

@@ -100,7 +100,7 @@ def _ep_group_of(topology_or_comms: Topology | EPComms | None, switch: OverlapSw
     completes through `switch`, communicators' through their own."""
     if isinstance(topology_or_comms, Topology):
         t = topology_or_comms
-        return _EPGroup(t.ep_group, t.ep, t.ep_rank, t.ep_ranks_per_node, switch)
+        return _EPGroup(t.group("ep"), t.ep, t.ep_rank, t.ep_ranks_per_node, switch)
     if isinstance(topology_or_comms, EPComms) and isinstance(topology_or_comms.ep, ProcessGroupComm):
         comms = topology_or_comms
         return _EPGroup(comms.ep.group, comms.ep.size, comms.ep.rank, comms.intra_node.size, comms.ep.switch)

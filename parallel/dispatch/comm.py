@@ -70,5 +70,5 @@ class EPComms:
     def from_topology(cls, topology: Topology, switch: OverlapSwitch | None = None) -> EPComms:
         """The topology's EP groups, all three completing through `switch`."""
         switch = switch if switch is not None else OverlapSwitch()
-        return cls(ProcessGroupComm(topology.ep_group, switch), ProcessGroupComm(topology.intra_node_group, switch),
-                   ProcessGroupComm(topology.rail_group, switch))
+        return cls(ProcessGroupComm(topology.group("ep"), switch), ProcessGroupComm(topology.group("intra_node"), switch),
+                   ProcessGroupComm(topology.group("rail"), switch))

@@ -106,7 +106,7 @@ class ModelPipeline:
         if self.runtime is None:
             param = next(self.model.parameters())
             self.runtime = PipelineRuntime(self.lowered, self.topology.pp_rank, self.stages, self.store,
-                                           (self.shape, param.dtype, param.device), self.topology.pp_group,
+                                           (self.shape, param.dtype, param.device), self.topology.group("pp"),
                                            after_compute=self._after_compute)
             if self.overlap is not None:
                 self.runtime.fb_overlap = FBOverlap(self.overlap)

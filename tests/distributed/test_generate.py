@@ -65,7 +65,7 @@ def native_and_reference_bf16_ids(root: str, ep: int) -> tuple[list[int], list[i
         native = greedy_ids(root, ep, "parallel.dispatcher=native", "parallel.comm_sms=4")
         assert [type(m.exchange).__name__ for m in made] == ["Buffer"], made
         cli.decode_exchange = lambda config, topology: LowLatencyExperts(
-            LowLatencyExchange(ProcessGroupComm(topology.ep_group)), config.model.num_moe_experts, 1, torch.bfloat16)
+            LowLatencyExchange(ProcessGroupComm(topology.group("ep"))), config.model.num_moe_experts, 1, torch.bfloat16)
         reference = greedy_ids(root, ep, "parallel.dispatcher=native", "parallel.comm_sms=4")
     finally:
         cli.decode_exchange = kernels_exchange
