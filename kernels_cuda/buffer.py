@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-import kernels_cuda
+from kernels_cuda.extensions import extension, extension_of
 from kernels_cuda import constants as C
 from kernels_cuda.config import Config, InternodeConfig
 from kernels_cuda.emulated_calls import EmulatedCalls
@@ -66,7 +66,7 @@ class IntranodeEngine(Engine):
 
     def __init__(self, runtime: Any, num_ranks: int, config: Config, timeout_cycles: int, timeout_s: float,
                  device: str, sms: int) -> None:
-        ext = kernels_cuda.extension_of(runtime)
+        ext = extension_of(runtime)
         structs = OpStructs(ext.NotifyRank, ext.NotifyOp, ext.CachedNotifyRank, ext.CachedNotifyOp, ext.DispatchRank,
                             ext.DispatchOp, ext.CombineRank, ext.CombineOp)
         super().__init__(runtime, structs, num_ranks, config, timeout_cycles, timeout_s, device, sms)
@@ -155,7 +155,7 @@ class Buffer:
         import torch.distributed as dist
 
         self.device = resolve_device(device)
-        ext = kernels_cuda.extension(self.device)
+        ext = extension(self.device)
         self.group, self.rank, self.num_ranks = group, dist.get_rank(group), dist.get_world_size(group)
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.ranks_per_node = ranks_on_this_machine(group) if ranks_per_node is None else ranks_per_node
@@ -437,7 +437,7 @@ class EmulatedGroup(EmulatedCalls, EmulatedLowLatency):
                  timeout_cycles: int = C.DEFAULT_TIMEOUT_CYCLES, timeout_s: float = 100.0, device: str | None = None,
                  schedule: Schedule | None = None, num_rdma_bytes: int = 0, low_latency_blocks: int = 4) -> None:
         self.device = resolve_device(device)
-        ext = kernels_cuda.extension(self.device)
+        ext = extension(self.device)
         self.num_ranks = num_ranks
         self.runtime = ext.Runtime(0, num_ranks, int(num_nvl_bytes), True)
         apply_schedule(self.runtime, self.device, schedule)

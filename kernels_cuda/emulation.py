@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from kernels_cuda.extensions import default_device
+
 POLICIES = ("round_robin", "random", "pct")
 MEMORY_MODES = ("sequential", "relaxed")
 H200_SMS = 132
@@ -49,9 +51,7 @@ class Schedule:
 
 def resolve_device(device: str | None) -> str:
     """The device an emulated group runs on: as given, else kernels_cuda.default_device()."""
-    import kernels_cuda
-
-    return kernels_cuda.default_device() if device is None else device
+    return default_device() if device is None else device
 
 
 def apply_schedule(runtime: Any, device: str, schedule: Schedule | None) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-import kernels_cuda
+from kernels_cuda.extensions import KernelsNotBuilt, extension, extension_of
 from kernels_cuda import constants as C
 from kernels_cuda.config import InternodeConfig
 from kernels_cuda.emulated_calls import EmulatedCalls
@@ -65,7 +65,7 @@ class InternodeEngine(Engine):
 
     def __init__(self, runtime: Any, num_nodes: int, gpus_per_node: int, config: InternodeConfig,
                  timeout_cycles: int, timeout_s: float, device: str, sms: int) -> None:
-        ext = kernels_cuda.extension_of(runtime)
+        ext = extension_of(runtime)
         structs = OpStructs(ext.InternodeNotifyRank, ext.InternodeNotifyOp, ext.InternodeCachedNotifyRank,
                             ext.InternodeCachedNotifyOp, ext.InternodeDispatchRank, ext.InternodeDispatchOp,
                             ext.InternodeCombineRank, ext.InternodeCombineOp)
@@ -149,7 +149,7 @@ class EmulatedInternodeGroup(EmulatedCalls, EmulatedLowLatency):
                  timeout_s: float = 100.0, device: str | None = None, schedule: Schedule | None = None,
                  low_latency_mode: bool = False, low_latency_blocks: int = 4) -> None:
         self.device = resolve_device(device)
-        ext = kernels_cuda.extension(self.device)
+        ext = extension(self.device)
         self.num_nodes, self.gpus_per_node, self.num_ranks = num_nodes, gpus_per_node, num_nodes * gpus_per_node
         self.runtime = ext.EmulatedInternodeRuntime(num_nodes, gpus_per_node, int(num_rdma_bytes), int(num_nvl_bytes))
         apply_schedule(self.runtime, self.device, schedule)
@@ -191,7 +191,7 @@ def check_rdma_transport(requested: str, group: Any, ext: Any, device: str) -> s
     if requested == "nvshmem" and not getattr(ext, "with_nvshmem", False):
         from kernels_cuda.build import NVSHMEM_HOW  # (not at import: `python -m kernels_cuda.build` runs it)
 
-        raise kernels_cuda.KernelsNotBuilt(
+        raise KernelsNotBuilt(
             f"kernels_cuda was built without NVSHMEM; {NVSHMEM_HOW}; or use dispatcher 'hierarchical'")
     return requested
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-import kernels_cuda
+from kernels_cuda.extensions import default_device, extension, extension_of
 from kernels_cuda import constants as C
 from kernels_cuda.emulation import check_resident
 from kernels_cuda.streams import EventOverlap
@@ -116,7 +116,7 @@ class LowLatencyEngine:
     def __init__(self, runtime: Any, num_ranks: int, timeout_cycles: int, sms: int,
                  num_blocks: int = DEFAULT_BLOCKS) -> None:
         self.runtime, self.num_ranks, self.timeout_cycles = runtime, num_ranks, timeout_cycles
-        self.args = kernels_cuda.extension_of(runtime)  # the ops' argument structs
+        self.args = extension_of(runtime)  # the ops' argument structs
         self.sms, self.num_blocks = sms, num_blocks
         self.seq = 0
         self.pending = False
