@@ -30,7 +30,7 @@ from torch import nn
 from benchmarks.bf16_loss_curves import TrainingRun, train_run
 from benchmarks.training_options import training_parser
 from model.fp8 import Fp8Tensor
-from model.layers import GemmOps
+from model.layers import GemmOps, GroupEnds
 from moe_train.config import load_config
 from moe_train.train import Trainer
 
@@ -63,9 +63,9 @@ class Bf16SwigluInput(GemmOps):
     def __init__(self, fp8: GemmOps) -> None:
         self.fp8 = fp8
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
-        return self.fp8.grouped(x, weight, offsets, x_fp8)
+        return self.fp8.grouped(x, weight, groups, x_fp8)
 
 
 @dataclass(frozen=True)

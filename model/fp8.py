@@ -38,13 +38,13 @@ import contextlib
 import copy
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from model.layers import GemmOps, gemm_dtype, grouped_mm
+from model.layers import GemmOps, GroupEnds, gemm_dtype, grouped_mm
 from model.recompute import Recompute
 
 E4M3_MAX = 448.0
@@ -242,38 +242,37 @@ def fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) 
     return emulated_fp8_mm(a, b, out_dtype)
 
 
-def fp8_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, offsets: torch.Tensor,
+def fp8_grouped_mm(a: Fp8Tensor, b: Fp8Tensor, groups: GroupEnds,
                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """a [M, K] (1x128 tiles, rows sorted by group) times b [G, N, K] (128x128 blocks per group):
     row r of group g is a_r @ b_g^T. Where the device runs torch's blockwise kernel, one kernel GEMM
-    per non-empty group (the group sizes are read on the host: one synchronisation per grouped GEMM);
+    per non-empty group (the group ends read on the host, once for every GEMM sharing `groups`);
     else emulated: per 128-wide chunk of K one FP32 grouped GEMM, the partial sums accumulated in FP32."""
     _check_operands(a, b)
     if _grouped_kernel_takes(a, b) and blockwise_scaled_mm_supported(a.data.device, out_dtype):
         out = torch.zeros(a.shape[0], b.shape[-2], dtype=out_dtype, device=a.data.device)
-        for group, rows in _group_slices(offsets.tolist()):
+        for group, rows in _group_slices(groups.host()):
             out[rows] = _torch_blockwise_mm(_kernel_rows(a, rows), _group(b, group), out_dtype)[:rows.stop - rows.start]
         return out
     out = torch.zeros(a.shape[0], b.shape[-2], device=a.data.device)
     with torch.autocast(a.data.device.type, enabled=False):
         for a_chunk, b_chunk in zip(dequantized_chunks(a), dequantized_chunks(b)):
-            out += grouped_mm(a_chunk, b_chunk.transpose(1, 2), offsets)
+            out += grouped_mm(a_chunk, b_chunk.transpose(1, 2), groups.offsets)
     return out.to(out_dtype)
 
 
-def fp8_grouped_weight_grad(a: Fp8Tensor, b: Fp8Tensor, tile_groups: torch.Tensor, num_groups: int,
+def fp8_grouped_weight_grad(a: Fp8Tensor, b: Fp8Tensor, groups: GroupEnds, tile_groups: torch.Tensor,
                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per group g: a_g @ b_g^T -> [G, N, K], from a [N, R] (grad_y) and b [K, R] (x), both from
-    `quantize_128x1_grouped`: tile t of 128 rows belongs to group tile_groups[t], a group's tiles
-    consecutive. Where the device runs torch's blockwise kernel, one kernel GEMM per group over its
-    tiles (their groups read on the host; the last group's also covers the all-zero tiles past the
-    groups, at most G - 1); else emulated: one FP32 GEMM per tile, added in FP32 into
-    its group's gradient. A group with no rows gets zeros."""
+    `quantize_128x1_grouped` of rows ending at `groups`: tile t of 128 rows belongs to group
+    tile_groups[t], a group's tiles consecutive. Where the device runs torch's blockwise kernel, one
+    kernel GEMM per group over its tiles (from the group ends on the host; the last group's also covers
+    the all-zero tiles past the groups, at most G - 1); else emulated: one FP32 GEMM per tile, added in
+    FP32 into its group's gradient. A group with no rows gets zeros."""
     _check_operands(a, b)
-    out = torch.zeros(num_groups, a.shape[0], b.shape[0], device=a.data.device)
+    out = torch.zeros(len(groups), a.shape[0], b.shape[0], device=a.data.device)
     if _kernel_takes(a, b) and blockwise_scaled_mm_supported(a.data.device, out_dtype):
-        tile_ends = torch.bincount(tile_groups, minlength=num_groups).cumsum(0) * TILE
-        for group, columns in _group_slices(tile_ends.tolist()):
+        for group, columns in _group_slices(_tile_column_ends(groups.host(), len(tile_groups))):
             out[group] = _torch_blockwise_mm(_tile_columns(a, columns), _tile_columns(b, columns), out_dtype)
         return out.to(out_dtype)
     with torch.autocast(a.data.device.type, enabled=False):
@@ -288,7 +287,18 @@ def _grouped_kernel_takes(a: Fp8Tensor, b: Fp8Tensor) -> bool:
     return a.data.dim() == 2 and b.data.dim() == 3 and a.shape[-1] % TILE == 0 and b.shape[-2] % TILE == 0
 
 
-def _group_slices(ends: list[int]) -> Iterator[tuple[int, slice]]:
+def _tile_column_ends(ends: Sequence[int], num_tiles: int) -> list[int]:
+    """The cumulative ends, in columns of the 128x1 tiling, of each group's tiles (`group_tiles`: a group's
+    rows padded to whole tiles, the tiles past the groups the last group's)."""
+    tiles, start = [], 0
+    for end in ends:
+        tiles.append((tiles[-1] if tiles else 0) + _ceil_div(end - start, TILE))
+        start = end
+    tiles[-1] = num_tiles
+    return [t * TILE for t in tiles]
+
+
+def _group_slices(ends: Sequence[int]) -> Iterator[tuple[int, slice]]:
     """(group, its slice) of every non-empty group, from the groups' cumulative ends."""
     start = 0
     for group, stop in enumerate(ends):
@@ -361,8 +371,8 @@ def fp8_gemm_backend(device: torch.device | str) -> str:
     weight_grads = ("the weight gradients too (fp32 output)" if blockwise_scaled_mm_supported(device, torch.float32)
                     else "the weight gradients are emulated (the kernel gives no fp32 output here)")
     return (f"the FP8 GEMMs run torch's blockwise scaled_mm on {device}, {weight_grads}; the routed experts' grouped "
-            "GEMMs one kernel GEMM per expert, reading the group sizes on the host; shapes the kernel does not take "
-            "(K not a multiple of 128, weights not of 128 rows) are emulated")
+            "GEMMs one kernel GEMM per expert, reading the group sizes on the host once per MoE layer; shapes the "
+            "kernel does not take (K not a multiple of 128, weights not of 128 rows) are emulated")
 
 
 @functools.cache
@@ -417,10 +427,10 @@ def _linear_weight_grad(grad_rows: torch.Tensor, x_columns: Fp8Tensor, power_of_
     return fp8_mm(quantize_128x1(grad_rows, power_of_two_scale), x_columns, torch.float32)
 
 
-def _grouped_weight_grad(grad_y: torch.Tensor, offsets: torch.Tensor, x_columns: Fp8Tensor,
-                         tile_groups: torch.Tensor, groups: int, power_of_two_scale: bool) -> torch.Tensor:
-    grad_columns, _ = quantize_128x1_grouped(grad_y, offsets, power_of_two_scale)
-    return fp8_grouped_weight_grad(grad_columns, x_columns, tile_groups, groups)
+def _grouped_weight_grad(grad_y: torch.Tensor, groups: GroupEnds, x_columns: Fp8Tensor,
+                         tile_groups: torch.Tensor, power_of_two_scale: bool) -> torch.Tensor:
+    grad_columns, _ = quantize_128x1_grouped(grad_y, groups.offsets, power_of_two_scale)
+    return fp8_grouped_weight_grad(grad_columns, x_columns, groups, tile_groups)
 
 
 def _weight_grad(ctx, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
@@ -468,37 +478,38 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
-    """y_g = x_g W_g^T per group (rows sorted by group, offsets int32 cumulative ends) with its three
+    """y_g = x_g W_g^T per group (rows sorted by group, ending at `groups`) with its three
     GEMMs in FP8; the 128x1 tiles of the Wgrad restart at each group (`quantize_128x1_grouped`).
     Fprop takes `x_fp8` as x's 1x128 quantization when given (the FP8 dispatch's rows), not
     quantizing x then; x stays the differentiable input and the source of the Wgrad's 128x1 tiles."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ops: Fp8GemmOps,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds, ops: Fp8GemmOps,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         power_of_two_scale, sink = ops.power_of_two_scales, ops.sink
         weight_q = ops.quantized_weight(weight)
         x_columns, tile_groups = None, None
         if weight.requires_grad:
-            x_columns, tile_groups = quantize_128x1_grouped(x, offsets, power_of_two_scale)
-        ctx.save_for_backward(weight_q.data, weight_q.scale, offsets, tile_groups, *_saved(x_columns))
-        ctx.power_of_two_scale, ctx.x_dtype, ctx.weight, ctx.sink = power_of_two_scale, x.dtype, weight, sink
+            x_columns, tile_groups = quantize_128x1_grouped(x, groups.offsets, power_of_two_scale)
+        ctx.save_for_backward(weight_q.data, weight_q.scale, tile_groups, *_saved(x_columns))
+        ctx.groups, ctx.power_of_two_scale, ctx.x_dtype = groups, power_of_two_scale, x.dtype
+        ctx.weight, ctx.sink = weight, sink
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
         if x_fp8 is None:
             x_fp8 = quantize_1x128(x, ops.power_of_two_for(inputs=True))
-        return fp8_grouped_mm(x_fp8, weight_q, offsets, gemm_dtype(x, weight))
+        return fp8_grouped_mm(x_fp8, weight_q, groups, gemm_dtype(x, weight))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        weight_data, weight_scale, offsets, tile_groups, x_data, x_scale = ctx.saved_tensors
+        weight_data, weight_scale, tile_groups, x_data, x_scale = ctx.saved_tensors
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
-            grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, offsets, ctx.x_dtype)
+            grad_x = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, ctx.groups, ctx.x_dtype)
         if x_data is not None:
             grad_w = _weight_grad(ctx, functools.partial(
-                _grouped_weight_grad, grad_y.contiguous(), offsets, Fp8Tensor(x_data, x_scale, 1), tile_groups,
-                weight_data.shape[0], ctx.power_of_two_scale))
+                _grouped_weight_grad, grad_y.contiguous(), ctx.groups, Fp8Tensor(x_data, x_scale, 1), tile_groups,
+                ctx.power_of_two_scale))
         return grad_x, grad_w, None, None, None
 
 
@@ -511,36 +522,36 @@ class Fp8ActivatedGroupedFunction(torch.autograd.Function):
     reaches the gradients only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ops: Fp8GemmOps) -> torch.Tensor:
         weight_q = ops.quantized_weight(weight)
         cache = quantize_1x128(x, ops.power_of_two_scales)
         hidden = activation(x, row_weights)
-        ctx.save_for_backward(cache.data, cache.scale, row_weights, weight_q.data, weight_q.scale, offsets)
-        ctx.activation, ctx.x_dtype, ctx.weight, ctx.sink = activation, x.dtype, weight, ops.sink
+        ctx.save_for_backward(cache.data, cache.scale, row_weights, weight_q.data, weight_q.scale)
+        ctx.groups, ctx.activation, ctx.x_dtype, ctx.weight, ctx.sink = groups, activation, x.dtype, weight, ops.sink
         ctx.power_of_two_scale = ops.power_of_two_scales
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
-        return fp8_grouped_mm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, offsets,
+        return fp8_grouped_mm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, groups,
                               gemm_dtype(hidden, weight))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        cache_data, cache_scale, row_weights, weight_data, weight_scale, offsets = ctx.saved_tensors
+        cache_data, cache_scale, row_weights, weight_data, weight_scale = ctx.saved_tensors
         with torch.enable_grad():
             x = dequantize(Fp8Tensor(cache_data, cache_scale, 1), ctx.x_dtype).requires_grad_()
             row_weights = row_weights.detach().requires_grad_(ctx.needs_input_grad[1])
             hidden = ctx.activation(x, row_weights)
         grad_y = grad_y.contiguous()
         weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
-        grad_hidden = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, offsets, hidden.dtype)
+        grad_hidden = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, ctx.groups, hidden.dtype)
         grad_w = None
         if ctx.needs_input_grad[2]:
             # the rebuilt activation's 128x1 tiles are bound only in the partial: once a weight
             # gradient computed now is done they are freed, before the SwiGLU's backward below
             grad_w = _weight_grad(ctx, functools.partial(
-                _grouped_weight_grad, grad_y, offsets,
-                *quantize_128x1_grouped(hidden.detach(), offsets, ctx.power_of_two_scale),
-                weight_data.shape[0], ctx.power_of_two_scale))
+                _grouped_weight_grad, grad_y, ctx.groups,
+                *quantize_128x1_grouped(hidden.detach(), ctx.groups.offsets, ctx.power_of_two_scale),
+                ctx.power_of_two_scale))
         inputs = (x, row_weights) if row_weights.requires_grad else (x,)
         grads = torch.autograd.grad(hidden, inputs, grad_hidden)
         return grads[0], grads[1] if len(grads) > 1 else None, grad_w, None, None, None
@@ -588,7 +599,7 @@ class Fp8GemmOps(GemmOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         return Fp8LinearFunction.apply(x, weight, self, recompute)
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         """`x_fp8`: the FP8 dispatch's rows that x was dequantized from, which Fprop takes instead of
         quantizing x (see the class docstring for why the output is the same); needs power-of-two
@@ -598,14 +609,14 @@ class Fp8GemmOps(GemmOps):
             raise ValueError("pre-quantized rows must be x's 1x128 tiles, taken by GEMMs whose input scales are "
                              f"powers of two: rows {tuple(x_fp8.shape)} in {x_fp8.block_rows}-row tiles for x "
                              f"{tuple(x.shape)}, power-of-two inputs {self.power_of_two_for(inputs=True)}")
-        return Fp8GroupedLinearFunction.apply(x, weight, offsets, self, x_fp8)
+        return Fp8GroupedLinearFunction.apply(x, weight, groups, self, x_fp8)
 
     def grouped_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                          row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                          row_weights: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                           recompute: Recompute) -> torch.Tensor:
         """The activation's input cached in FP8 and its output recomputed, whatever `recompute` holds
         (DeepSeek-V3's FP8 recipe always does: `Fp8ActivatedGroupedFunction`)."""
-        return Fp8ActivatedGroupedFunction.apply(x, row_weights, weight, offsets, activation, self)
+        return Fp8ActivatedGroupedFunction.apply(x, row_weights, weight, groups, activation, self)
 
     def high_precision(self) -> GemmOps:
         return self._high_precision

@@ -20,6 +20,32 @@ if TYPE_CHECKING:
     from model.fp8 import Fp8Tensor
 
 
+class GroupEnds:
+    """Where the groups of rows sorted by group end, for the grouped GEMMs of one call: `offsets`, the int32
+    cumulative ends [G] on the device, which torch's grouped GEMMs take; `host()`, the same ends on the host,
+    for the GEMMs that loop over the groups there (model.fp8 on torch's blockwise kernel). The routed experts'
+    GEMMs, forward and backward, share one object, so the ends are read to the host at most once for all of
+    them: one synchronisation per MoE layer and micro-batch instead of one per GEMM, and none where no GEMM
+    asks."""
+
+    def __init__(self, offsets: torch.Tensor) -> None:
+        self.offsets = offsets
+        self._host: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_counts(cls, counts: torch.Tensor) -> GroupEnds:
+        """From the rows per group [G]."""
+        return cls(torch.cumsum(counts, 0).to(torch.int32))
+
+    def host(self) -> tuple[int, ...]:
+        if self._host is None:
+            self._host = tuple(self.offsets.tolist())
+        return self._host
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
 def _group_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     """[G, rows] bool: row r belongs to group g (offsets: int32 cumulative ends)."""
     ends = offsets.long().unsqueeze(1)
@@ -105,20 +131,20 @@ class GemmOps:
         (model.fp8's FP8 copies); F.linear saves the input itself, which the regions already cover."""
         return F.linear(x, weight)
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         """Both operands in `gemm_dtype`: a bf16 weight's (bf16 training) or autocast's, whose cast
         returns the weight gradient in the fp32 of an fp32 weight. `x_fp8`, x as the FP8 dispatch
         delivered it, is for FP8 GEMMs (model.fp8): these ignore it."""
         dtype = gemm_dtype(x, weight)
-        return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), offsets)
+        return _GroupedLinearFunction.apply(x.to(dtype), weight.to(dtype), groups.offsets)
 
     def grouped_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                          row_weights: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                          row_weights: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                           recompute: Recompute) -> torch.Tensor:
-        """`grouped(activation(x, row_weights), weight, offsets)`: the routed experts' down projection of
+        """`grouped(activation(x, row_weights), weight, groups)`: the routed experts' down projection of
         their SwiGLU, the activation rebuilt in backward where `recompute` holds `moe_act`."""
-        return self.grouped(recompute.region("moe_act", activation, x, row_weights), weight, offsets)
+        return self.grouped(recompute.region("moe_act", activation, x, row_weights), weight, groups)
 
     def high_precision(self) -> "GemmOps":
         """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
@@ -173,14 +199,14 @@ class GroupedLinear(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.init_std)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: GroupEnds, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
         """`x_fp8`: the rows x dequantizes from, as the FP8 dispatch moved them (`GemmOps.grouped`)."""
-        return self.gemms.grouped(x, self.weight, offsets, x_fp8)
+        return self.gemms.grouped(x, self.weight, groups, x_fp8)
 
     def forward_activated(self, activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                          row_weights: torch.Tensor, offsets: torch.Tensor, recompute: Recompute) -> torch.Tensor:
+                          row_weights: torch.Tensor, groups: GroupEnds, recompute: Recompute) -> torch.Tensor:
         """This GEMM of `activation(x, row_weights)` (`GemmOps.grouped_activated`)."""
-        return self.gemms.grouped_activated(activation, x, row_weights, self.weight, offsets, recompute)
+        return self.gemms.grouped_activated(activation, x, row_weights, self.weight, groups, recompute)
 
     def extra_repr(self) -> str:
         return f"groups={self.num_groups}, in={self.in_features}, out={self.out_features}"

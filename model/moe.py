@@ -8,7 +8,7 @@ from torch import nn
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher, LocalDispatcher, PackedExchange, count_per_expert
 from model.fp8 import Fp8Tensor
-from model.layers import GroupedLinear, SwiGLU
+from model.layers import GroupEnds, GroupedLinear, SwiGLU
 from model.recompute import Recompute
 from model.router import Router, sequence_balance_loss
 
@@ -73,11 +73,11 @@ class RoutedExperts(nn.Module):
         # Slots by expert, in token order within an expert; slots of other ranks' experts sort last.
         order = torch.argsort(torch.where(flat_idx >= 0, flat_idx, self.num_local_experts), stable=True)[:num_slots]
         token_sorted = order // topk
-        offsets = torch.cumsum(count_per_expert(local_idx, self.num_local_experts), 0).to(torch.int32)
+        groups = GroupEnds.of_counts(count_per_expert(local_idx, self.num_local_experts))
         slots_fp8 = None if x_fp8 is None else x_fp8.index_rows(token_sorted)
-        gate_up = self.gate_up_proj(x.index_select(0, token_sorted), offsets, slots_fp8)
+        gate_up = self.gate_up_proj(x.index_select(0, token_sorted), groups, slots_fp8)
         slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
-        out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, offsets, self.recompute)
+        out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, groups, self.recompute)
         return SumByToken.apply(out, token_sorted, x.shape[0]).to(x.dtype)
 
     def _activation(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -91,9 +91,9 @@ class RoutedExperts(nn.Module):
         first count[e] rows of expert e hold tokens -> expert outputs [E_local, N, d], unweighted (the
         low-latency combine applies the router weights); only those rows are computed, the rest are 0."""
         valid = torch.arange(x.shape[1], device=x.device) < count.long().unsqueeze(1)  # [E_local, N]
-        offsets = torch.cumsum(count, 0).to(torch.int32)
-        gate, up = self.gate_up_proj(x[valid], offsets).split(self.hidden, dim=-1)
-        out = self.down_proj(F.silu(gate) * up, offsets)
+        groups = GroupEnds.of_counts(count)
+        gate, up = self.gate_up_proj(x[valid], groups).split(self.hidden, dim=-1)
+        out = self.down_proj(F.silu(gate) * up, groups)
         return out.new_zeros(*valid.shape, out.shape[-1]).index_put_((valid,), out)
 
 

@@ -9,17 +9,21 @@ On a CPU nothing waits, but a run makes the same calls, so a CPU run counts what
   (`_local_scalar_dense`, `equal`) (seen by a `TorchDispatchMode`).
 Each sync is attributed to the innermost frame of this repository's code that led to it.
 Modes are thread-local: the counter sees the thread that entered it (and the autograd engine's
-CPU backward, which runs there).
+CPU backward, which runs there). The engine does not carry torch-function modes into a custom
+Function's backward, so the counter enters its own again around each one run on its thread.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -109,9 +113,18 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
+        self._apply_backward = BackwardCFunction.apply
+        thread, function_counter, apply_backward = threading.get_ident(), self._modes[0], self._apply_backward
+
+        def counted_backward(ctx: BackwardCFunction, *args: Any) -> Any:
+            with function_counter if threading.get_ident() == thread else contextlib.nullcontext():
+                return apply_backward(ctx, *args)
+
+        BackwardCFunction.apply = counted_backward
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        BackwardCFunction.apply = self._apply_backward
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
 

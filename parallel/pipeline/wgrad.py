@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.fp8 import Fp8GemmOps, Fp8Tensor
-from model.layers import GemmOps, gemm_dtype, grouped_mm, grouped_weight_grad
+from model.layers import GemmOps, GroupEnds, gemm_dtype, grouped_mm, grouped_weight_grad
 from model.recompute import Recompute
 from parallel.mixed_precision import accumulate_grad, accumulate_weight_grad
 from parallel.pipeline.ir import BACKWARD_KINDS, ActionKind, ScheduleError
@@ -193,9 +193,9 @@ class SplitGemmOps(GemmOps):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
         return SplitLinearFunction.apply(x, weight, self.store)
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
-        return SplitGroupedLinearFunction.apply(x, weight, offsets, self.store)
+        return SplitGroupedLinearFunction.apply(x, weight, groups.offsets, self.store)
 
 
 

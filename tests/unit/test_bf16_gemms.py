@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.gemm_precision import census_step
 from model.flops import training_flops_per_token
-from model.layers import GroupedLinear, RMSNorm
+from model.layers import GroupEnds, GroupedLinear, RMSNorm
 from model.router import Router
 from model.transformer import DeepSeekV3
 from moe_train.config import load_config
@@ -136,16 +136,16 @@ def test_bf16_step_keeps_norm_statistics_and_losses_in_fp32(bf16_demo_model):
     assert out.loss.dtype == out.lm_loss.dtype == out.aux_loss.dtype == torch.float32
 
 
-def grouped_forward_backward(layer: GroupedLinear, x: torch.Tensor, offsets: torch.Tensor,
+def grouped_forward_backward(layer: GroupedLinear, x: torch.Tensor, groups: GroupEnds,
                              grad_out: torch.Tensor, split: bool) -> torch.Tensor:
     """Forward (bf16 weight) and backward; split: a B scope, then its W."""
     if not split:
-        y = layer(x, offsets)
+        y = layer(x, groups)
         y.backward(grad_out)
         return y
     store = WeightGradStore()
     layer.gemms = SplitGemmOps(store)
-    y = layer(x, offsets)
+    y = layer(x, groups)
     with store.scope(0, 0, ActionKind.B):
         y.backward(grad_out)
     assert not layer.weight.main_grad.any()
@@ -168,7 +168,7 @@ def test_bf16_grouped_linear_equals_exact_math_on_bf16_operands(split):
     offsets = torch.cumsum(torch.tensor([9, 0, 14, 9]), 0).to(torch.int32)
     x = torch.randn(32, 32, generator=gen, requires_grad=True)
     grad_out = torch.randn(32, 24, generator=gen)
-    y = grouped_forward_backward(layer, x, offsets, grad_out, split)
+    y = grouped_forward_backward(layer, x, GroupEnds(offsets), grad_out, split)
     w_grad = layer.weight.main_grad
     assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32 and w_grad.dtype == torch.float32
 

@@ -33,7 +33,7 @@ import model.fp8
 from model.fp8 import (E4M3_MAX, FP8_DTYPE, Fp8GemmOps, Fp8Tensor, blockwise_scaled_mm_supported,
                        emulated_fp8_mm, fp8_grouped_mm, fp8_grouped_weight_grad, fp8_mm, quantize_1x128,
                        quantize_128x1, quantize_128x1_grouped, quantize_128x128, quantize_tiles)
-from model.layers import GroupedLinear, Linear
+from model.layers import GroupEnds, GroupedLinear, Linear
 from model.recompute import Recompute
 from tests.unit.live_memory import LiveStorage
 
@@ -267,6 +267,10 @@ def group_offsets(sizes: list[int]) -> torch.Tensor:
     return torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
 
 
+def group_ends(sizes: list[int]) -> GroupEnds:
+    return GroupEnds(group_offsets(sizes))
+
+
 def group_rows(sizes: list[int]) -> list[slice]:
     ends = torch.cumsum(torch.tensor(sizes), 0).tolist()
     return [slice(end - size, end) for size, end in zip(sizes, ends)]
@@ -357,7 +361,7 @@ def test_fp8_grouped_linear_forward_and_gradients_within_bound(in_features):
     layer.weight.data = weight.clone()
     x = tiled_randn((sum(GROUP_SIZES), in_features), gen).requires_grad_()
     grad_y = tiled_randn((sum(GROUP_SIZES), 144), gen)
-    y = layer(x, group_offsets(GROUP_SIZES))
+    y = layer(x, group_ends(GROUP_SIZES))
     y.backward(grad_y)
     assert not layer.weight.grad[1].any()
     for group, rows in enumerate(group_rows(GROUP_SIZES)):
@@ -394,13 +398,13 @@ def test_emulation_equals_a_simpler_emulation_bit_for_bit():
 
     assert torch.equal(fp8_mm(a, Fp8Tensor(weight.data[2], weight.scale[2], TILE), torch.float32),
                        simple_chunked_mm(a_32, weight_32[2]))
-    grouped = fp8_grouped_mm(a, weight, offsets, torch.float32)
+    grouped = fp8_grouped_mm(a, weight, GroupEnds(offsets), torch.float32)
     for group, rows in enumerate(group_rows(sizes)):
         assert torch.equal(grouped[rows], simple_chunked_mm(a_32[rows], weight_32[group]))
 
     grad_columns, tile_groups = quantize_128x1_grouped(tiled_randn((sum(sizes), 144), gen), offsets)
     x_columns, _ = quantize_128x1_grouped(tiled_randn((sum(sizes), 200), gen), offsets)
-    weight_grad = fp8_grouped_weight_grad(grad_columns, x_columns, tile_groups, len(sizes))
+    weight_grad = fp8_grouped_weight_grad(grad_columns, x_columns, GroupEnds(offsets), tile_groups)
     grad_32, x_32 = simple_dequantize(grad_columns), simple_dequantize(x_columns)
     for group in range(len(sizes)):
         tiles = (tile_groups == group).nonzero().flatten().tolist()
@@ -439,10 +443,9 @@ def test_linear_saves_fp8_tensors_only():
                      (FP8_DTYPE, (200, 300)), (torch.float32, (200, 3))]
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        grouped(x_grouped, group_offsets(GROUP_SIZES))
+        grouped(x_grouped, group_ends(GROUP_SIZES))
     tiles = (sum(GROUP_SIZES) + 127 * len(GROUP_SIZES)) // TILE
-    assert saved == [(FP8_DTYPE, (4, 144, 200)), (torch.float32, (4, 2, 2)), (torch.int32, (4,)),
-                     (torch.int64, (tiles,)), (FP8_DTYPE, (200, tiles * TILE)), (torch.float32, (200, tiles))]
+    assert saved == [(FP8_DTYPE, (4, 144, 200)), (torch.float32, (4, 2, 2)), (torch.int64, (tiles,)), (FP8_DTYPE, (200, tiles * TILE)), (torch.float32, (200, tiles))]
 
 
 def test_autocast_does_not_reach_the_emulation():
@@ -506,7 +509,7 @@ def activated_case(seed: int, width: int = 96) -> tuple[torch.Tensor, torch.Tens
 def run_activated(layer: GroupedLinear, x: torch.Tensor, row_weights: torch.Tensor,
                   grad_y: torch.Tensor) -> tuple[torch.Tensor, ...]:
     x, row_weights = x.clone().requires_grad_(), row_weights.clone().requires_grad_()
-    y = layer.forward_activated(swiglu, x, row_weights, group_offsets(GROUP_SIZES), Recompute(()))
+    y = layer.forward_activated(swiglu, x, row_weights, group_ends(GROUP_SIZES), Recompute(()))
     y.backward(grad_y)
     return y.detach(), x.grad, row_weights.grad, layer.weight.grad
 
@@ -526,23 +529,24 @@ def test_activated_grouped_gemm_recomputes_the_swiglu_from_its_fp8_cache(power_o
     reference = GroupedLinear(len(GROUP_SIZES), 96, 144)
     reference.gemms = Fp8GemmOps(power_of_two_scales=power_of_two)
     reference.weight.data = weight.clone()
-    offsets = group_offsets(GROUP_SIZES)
-    assert torch.equal(y, reference(swiglu(x, row_weights), offsets).detach())
+    groups = group_ends(GROUP_SIZES)
+    assert torch.equal(y, reference(swiglu(x, row_weights), groups).detach())
     cache = Reference(x, 1, power_of_two)
     x_cached = cache.values.float().requires_grad_()
     w_ref = row_weights.clone().requires_grad_()
-    reference(swiglu(x_cached, w_ref), offsets).backward(grad_y)
+    reference(swiglu(x_cached, w_ref), groups).backward(grad_y)
     assert torch.equal(grad_x, x_cached.grad) and torch.equal(grad_row_weights, w_ref.grad)
     assert torch.equal(grad_weight, reference.weight.grad)
     # the cache's rounding reaches the gradients: recomputing from x itself gives others
     x_itself = x.clone().requires_grad_()
-    reference(swiglu(x_itself, row_weights), offsets).backward(grad_y)
+    reference(swiglu(x_itself, row_weights), groups).backward(grad_y)
     assert not torch.equal(grad_x, x_itself.grad)
 
 
 def test_activated_grouped_gemm_keeps_the_fp8_cache_not_the_activation():
     """What the backward keeps: the E4M3 gate|up rows in 1x128 tiles with their scales, the router
-    weights, the FP8 weight and the offsets; neither x nor the activation's output in high precision."""
+    weights and the FP8 weight (the group ends ride with the GroupEnds the GEMMs share); neither x nor the
+    activation's output in high precision."""
     x, row_weights, weight, _ = activated_case(52)
     layer = GroupedLinear(len(GROUP_SIZES), 96, 144)
     layer.gemms = Fp8GemmOps()
@@ -554,10 +558,10 @@ def test_activated_grouped_gemm_keeps_the_fp8_cache_not_the_activation():
 
     rows = sum(GROUP_SIZES)
     with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        layer.forward_activated(swiglu, x.requires_grad_(), row_weights.requires_grad_(), group_offsets(GROUP_SIZES),
+        layer.forward_activated(swiglu, x.requires_grad_(), row_weights.requires_grad_(), group_ends(GROUP_SIZES),
                                 Recompute(("moe_act",)))
     assert saved == [(FP8_DTYPE, (rows, 192)), (torch.float32, (rows, 2)), (torch.float32, (rows, 1)),
-                     (FP8_DTYPE, (4, 144, 96)), (torch.float32, (4, 2, 1)), (torch.int32, (4,))]
+                     (FP8_DTYPE, (4, 144, 96)), (torch.float32, (4, 2, 1))]
 
 
 # ---- the FP8 dispatch's rows as the gate/up GEMM's quantized input ----
@@ -593,7 +597,7 @@ def run_gate_up(x: torch.Tensor, weight: torch.Tensor, grad_y: torch.Tensor, x_f
     monkeypatch.setattr(model.fp8, "quantize_1x128", lambda t, *a: calls.append(t.data_ptr() == x.data_ptr()
                                                                                   and t.shape == x.shape)
                         or quantize(t, *a))
-    y = layer(x, group_offsets(GROUP_SIZES), x_fp8)
+    y = layer(x, group_ends(GROUP_SIZES), x_fp8)
     y.backward(grad_y)
     monkeypatch.setattr(model.fp8, "quantize_1x128", quantize)
     return (y.detach(), x.grad, layer.weight.grad), sum(calls)
@@ -617,4 +621,4 @@ def test_gate_up_gemm_takes_the_dispatched_fp8_rows_without_quantizing_its_input
     for name, a, b in zip(("output", "grad x", "grad weight"), got, want):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="powers of two"):  # amax scales would quantize x to other values
-        Fp8GemmOps().grouped(x, weight, group_offsets(GROUP_SIZES), given)
+        Fp8GemmOps().grouped(x, weight, group_ends(GROUP_SIZES), given)

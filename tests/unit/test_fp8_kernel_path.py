@@ -24,8 +24,10 @@ import torch.nn.functional as F
 import model.fp8
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
 from model.layers import GroupedLinear, Linear
+from model.moe import RoutedExperts
 from model.recompute import Recompute
-from tests.unit.test_fp8 import GROUP_SIZES, generator, group_offsets, swiglu, tiled_randn
+from tests.host_syncs import HostSyncCounter
+from tests.unit.test_fp8 import GROUP_SIZES, generator, group_ends, swiglu, tiled_randn
 
 TILE = 128
 
@@ -116,7 +118,7 @@ def run_grouped(seed: int, in_features: int, out_features: int) -> tuple[torch.T
     layer.gemms = Fp8GemmOps()
     layer.weight.data = torch.stack([tiled_randn((out_features, in_features), gen) for _ in GROUP_SIZES])
     x = tiled_randn((sum(GROUP_SIZES), in_features), gen).requires_grad_()
-    y = layer(x, group_offsets(GROUP_SIZES))
+    y = layer(x, group_ends(GROUP_SIZES))
     y.backward(tiled_randn((sum(GROUP_SIZES), out_features), gen))
     return y.detach(), x.grad, layer.weight.grad
 
@@ -129,7 +131,7 @@ def run_activated(seed: int, width: int, out_features: int) -> tuple[torch.Tenso
     rows = sum(GROUP_SIZES)
     x = tiled_randn((rows, 2 * width), gen, spread=3).requires_grad_()
     row_weights = (torch.rand(rows, 1, generator=gen) + 0.5).requires_grad_()
-    y = layer.forward_activated(swiglu, x, row_weights, group_offsets(GROUP_SIZES), Recompute(()))
+    y = layer.forward_activated(swiglu, x, row_weights, group_ends(GROUP_SIZES), Recompute(()))
     y.backward(tiled_randn((rows, out_features), gen))
     return y.detach(), x.grad, row_weights.grad, layer.weight.grad
 
@@ -191,3 +193,28 @@ def test_shapes_the_kernel_does_not_take_are_emulated(kernel):
     assert not kernel.calls
     run_grouped(54, 256, 144)
     assert [call[3] for call in kernel.calls] == ["1x128"] * 3
+
+
+def run_experts(seed: int, dim: int, hidden: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    """The routed experts, forward and backward, top-2 over 4 local experts (-1: another rank's expert)."""
+    gen = generator(seed)
+    experts = RoutedExperts(4, dim, hidden, 0.02)
+    experts.gate_up_proj.gemms = experts.down_proj.gemms = Fp8GemmOps()
+    x = tiled_randn((tokens, dim), gen).requires_grad_()
+    local_idx = torch.randint(-1, 4, (tokens, 2), generator=gen)
+    weights = torch.rand(tokens, 2, generator=gen)
+    y = experts(x, local_idx, weights, int((local_idx >= 0).sum()))
+    y.backward(tiled_randn((tokens, dim), gen))
+    return y.detach(), x.grad, experts.gate_up_proj.weight.grad, experts.down_proj.weight.grad
+
+
+def test_the_experts_read_their_group_sizes_to_the_host_once(kernel):
+    """A MoE layer's six grouped GEMMs on the kernel (Fprop, Dgrad and Wgrad of gate/up and of down) loop
+    over the experts on the host; they share one GroupEnds, so the group ends cross to the host once per
+    layer and micro-batch (one synchronisation on a GPU), not once per GEMM."""
+    with HostSyncCounter() as syncs:
+        run_experts(55, 256, 128, 96)
+    print(syncs.report())
+    assert len(kernel.calls) >= 12
+    in_model = [sync for sync in syncs.syncs if sync.where.startswith("model/")]
+    assert [sync.kind for sync in in_model] == ["tolist"] and in_model[0].where.startswith("model/layers.py")

@@ -53,6 +53,29 @@ def test_counter_sees_each_kind_of_host_read_and_not_the_sync_free_forms():
     assert counter.syncs == []
 
 
+class _ReadsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad.tolist(), bool(grad[0]), grad.sum().item()
+        return grad * 2
+
+
+def test_counter_sees_host_reads_in_a_custom_functions_backward():
+    """The autograd engine runs a custom Function's backward without the torch-function modes of the
+    thread that called backward(); the counter still sees its reads, each once."""
+    x = torch.randn(4, generator=_seeded(13), requires_grad=True)
+    with HostSyncCounter() as counter:
+        _ReadsInBackward.apply(x).sum().backward()
+    assert [s.kind for s in counter.syncs] == ["tolist", "bool", "item"]
+    with HostSyncCounter() as counter:
+        _ReadsInBackward.apply(x).sum()
+    assert counter.syncs == []
+
+
 def test_count_per_expert_equals_bincount_and_skips_minus_one():
     g = _seeded(12)
     ids = torch.randint(-1, 8, (50, 3), generator=g)

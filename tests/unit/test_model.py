@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from model.args import ModelArgs
 from model.fp8 import Fp8GemmOps
 from model.dispatcher import LocalDispatcher
-from model.layers import GroupedLinear
+from model.layers import GroupEnds, GroupedLinear
 from model.moe import MoE
 from model.mtp import IGNORE_INDEX, shift_left
 from model.recompute import Recompute
@@ -29,7 +29,7 @@ def test_grouped_linear_matches_per_expert_loop_with_an_empty_expert():
     layer = GroupedLinear(4, 8, 6)
     counts = torch.tensor([3, 0, 5, 2])
     x = torch.randn(10, 8, requires_grad=True)
-    y = layer(x, torch.cumsum(counts, 0).to(torch.int32))
+    y = layer(x, GroupEnds.of_counts(counts))
     grad = torch.randn_like(y)
     y.backward(grad)
     x_ref = x.detach().clone().requires_grad_()
