@@ -371,7 +371,7 @@ def fp8_gemm_backend(device: torch.device | str) -> str:
     weight_grads = ("the weight gradients too (fp32 output)" if blockwise_scaled_mm_supported(device, torch.float32)
                     else "the weight gradients are emulated (the kernel gives no fp32 output here)")
     return (f"the FP8 GEMMs run torch's blockwise scaled_mm on {device}, {weight_grads}; the routed experts' grouped "
-            "GEMMs one kernel GEMM per expert, reading the group sizes on the host once per MoE layer; shapes the "
+            "GEMMs one kernel GEMM per expert, on the dispatcher's host counts; shapes the "
             "kernel does not take (K not a multiple of 128, weights not of 128 rows) are emulated")
 
 

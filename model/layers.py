@@ -7,7 +7,8 @@ GEMMs (`parallel.pipeline.wgrad.SplitGemmOps`) without touching the modules.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,17 +26,19 @@ class GroupEnds:
     cumulative ends [G] on the device, which torch's grouped GEMMs take; `host()`, the same ends on the host,
     for the GEMMs that loop over the groups there (model.fp8 on torch's blockwise kernel). The routed experts'
     GEMMs, forward and backward, share one object, so the ends are read to the host at most once for all of
-    them: one synchronisation per MoE layer and micro-batch instead of one per GEMM, and none where no GEMM
-    asks."""
+    them: one synchronisation per MoE layer and micro-batch instead of one per GEMM, none where no GEMM asks,
+    and none where the caller knows the rows per group on the host already (an EP dispatcher's counts)."""
 
-    def __init__(self, offsets: torch.Tensor) -> None:
+    def __init__(self, offsets: torch.Tensor, host_counts: Sequence[int] | None = None) -> None:
+        """`host_counts`: the rows per group, on the host, when the caller has them (they must be the
+        counts `offsets` accumulates)."""
         self.offsets = offsets
-        self._host: tuple[int, ...] | None = None
+        self._host = None if host_counts is None else tuple(itertools.accumulate(host_counts))
 
     @classmethod
-    def of_counts(cls, counts: torch.Tensor) -> GroupEnds:
-        """From the rows per group [G]."""
-        return cls(torch.cumsum(counts, 0).to(torch.int32))
+    def of_counts(cls, counts: torch.Tensor, host_counts: Sequence[int] | None = None) -> GroupEnds:
+        """From the rows per group [G] on the device (and on the host when known)."""
+        return cls(torch.cumsum(counts, 0).to(torch.int32), host_counts)
 
     def host(self) -> tuple[int, ...]:
         if self._host is None:

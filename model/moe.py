@@ -1,6 +1,8 @@
 """DeepSeekMoE block: router, routed experts as grouped GEMMs, shared experts, dispatcher hook."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,18 +64,22 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = GroupedLinear(num_local_experts, dim, 2 * hidden, init_std)
         self.down_proj = GroupedLinear(num_local_experts, hidden, dim, init_std)
 
-    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor, num_slots: int,
-                x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
-        """x [M, d]; local_idx [M, K] local expert ids or -1; `num_slots` of them are not -1 (a host
-        count, so that selecting them needs no host sync); returns sum_k w_k * expert_k(x) [M, d].
+    def forward(self, x: torch.Tensor, local_idx: torch.Tensor, weights: torch.Tensor,
+                per_expert: Sequence[int] | None, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+        """x [M, d]; local_idx [M, K] local expert ids or -1; returns sum_k w_k * expert_k(x) [M, d].
+        `per_expert`: the slots of each local expert as the dispatcher counted them on the host, so that
+        selecting the slots, and the grouped GEMMs that loop over the experts on the host, need no host
+        sync; None where every slot is local (the one-process dispatcher; the GEMMs that need the
+        counts then read them once).
         `x_fp8`: the FP8 rows x was dequantized from (the FP8 dispatch's), gathered per slot as x is,
         for the gate/up GEMM to take as its quantized input."""
         topk = local_idx.shape[1]
         flat_idx = local_idx.reshape(-1)
         # Slots by expert, in token order within an expert; slots of other ranks' experts sort last.
+        num_slots = flat_idx.numel() if per_expert is None else sum(per_expert)
         order = torch.argsort(torch.where(flat_idx >= 0, flat_idx, self.num_local_experts), stable=True)[:num_slots]
         token_sorted = order // topk
-        groups = GroupEnds.of_counts(count_per_expert(local_idx, self.num_local_experts))
+        groups = GroupEnds.of_counts(count_per_expert(local_idx, self.num_local_experts), per_expert)
         slots_fp8 = None if x_fp8 is None else x_fp8.index_rows(token_sorted)
         gate_up = self.gate_up_proj(x.index_select(0, token_sorted), groups, slots_fp8)
         slot_weights = weights.reshape(-1)[order].unsqueeze(1).to(gate_up.dtype)
@@ -132,8 +138,7 @@ class MoE(nn.Module):
             layout = self.dispatcher.layout(routing.topk_idx, self.num_experts)
             recv_x, recv_idx, recv_weights, per_expert, handle = self.dispatcher.dispatch(
                 flat, routing.topk_idx, routing.topk_weights, layout)
-            num_slots = recv_idx.numel() if per_expert is None else sum(per_expert)
-            expert_out = self.experts(recv_x, recv_idx, recv_weights, num_slots, self.dispatcher.take_fp8_rows(handle))
+            expert_out = self.experts(recv_x, recv_idx, recv_weights, per_expert, self.dispatcher.take_fp8_rows(handle))
             out = self.dispatcher.combine(expert_out, handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -195,26 +195,32 @@ def test_shapes_the_kernel_does_not_take_are_emulated(kernel):
     assert [call[3] for call in kernel.calls] == ["1x128"] * 3
 
 
-def run_experts(seed: int, dim: int, hidden: int, tokens: int) -> tuple[torch.Tensor, ...]:
-    """The routed experts, forward and backward, top-2 over 4 local experts (-1: another rank's expert)."""
+def run_experts(seed: int, dim: int, hidden: int, tokens: int, counted: bool) -> HostSyncCounter:
+    """The routed experts, forward and backward, top-2 over 4 local experts, their host syncs counted;
+    `counted`: with slots of other ranks' experts (-1) and the slots per expert given, as an EP dispatcher
+    delivers them; else every slot local, as the one-process dispatcher's."""
     gen = generator(seed)
     experts = RoutedExperts(4, dim, hidden, 0.02)
     experts.gate_up_proj.gemms = experts.down_proj.gemms = Fp8GemmOps()
     x = tiled_randn((tokens, dim), gen).requires_grad_()
-    local_idx = torch.randint(-1, 4, (tokens, 2), generator=gen)
+    local_idx = torch.randint(-1 if counted else 0, 4, (tokens, 2), generator=gen)
     weights = torch.rand(tokens, 2, generator=gen)
-    y = experts(x, local_idx, weights, int((local_idx >= 0).sum()))
-    y.backward(tiled_randn((tokens, dim), gen))
-    return y.detach(), x.grad, experts.gate_up_proj.weight.grad, experts.down_proj.weight.grad
+    grad = tiled_randn((tokens, dim), gen)
+    per_expert = [int((local_idx == e).sum()) for e in range(4)] if counted else None
+    with HostSyncCounter() as syncs:
+        experts(x, local_idx, weights, per_expert).backward(grad)
+    print(syncs.report())
+    return syncs
 
 
 def test_the_experts_read_their_group_sizes_to_the_host_once(kernel):
     """A MoE layer's six grouped GEMMs on the kernel (Fprop, Dgrad and Wgrad of gate/up and of down) loop
     over the experts on the host; they share one GroupEnds, so the group ends cross to the host once per
-    layer and micro-batch (one synchronisation on a GPU), not once per GEMM."""
-    with HostSyncCounter() as syncs:
-        run_experts(55, 256, 128, 96)
-    print(syncs.report())
+    layer and micro-batch (one synchronisation on a GPU), not once per GEMM; and not at all where the
+    dispatcher gave the slots per expert (every EP dispatcher counts them on the host)."""
+    syncs = run_experts(55, 256, 128, 96, counted=False)
     assert len(kernel.calls) >= 12
-    in_model = [sync for sync in syncs.syncs if sync.where.startswith("model/")]
-    assert [sync.kind for sync in in_model] == ["tolist"] and in_model[0].where.startswith("model/layers.py")
+    assert [(s.kind, s.where.split(":")[0]) for s in syncs.syncs] == [("tolist", "model/layers.py")]
+    kernel.calls.clear()
+    syncs = run_experts(55, 256, 128, 96, counted=True)
+    assert len(kernel.calls) >= 12 and syncs.syncs == []
