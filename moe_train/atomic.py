@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -36,18 +37,24 @@ def write_durable(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
-def publish_bytes(path: Path, data: bytes, temp: Path | None = None, durable: bool = False) -> None:
-    """Replace ``path`` by ``data`` in one rename from ``temp`` (default: a fresh hidden name beside
-    it); a failed write leaves ``path`` as it was and no temporary file behind. ``durable``: the file
-    and the rename are fsynced."""
+def publish_written(path: Path, write: Callable[[Path], None], temp: Path | None = None,
+                    durable: bool = False) -> None:
+    """Replace ``path`` by what ``write`` writes to the temporary path it is given (default: a fresh hidden
+    name beside ``path``), in one rename; a failed write leaves ``path`` as it was and no temporary file
+    behind. ``durable``: the file and the rename are fsynced."""
     tmp = temp if temp is not None else Path(temp_path_for(str(path)))
     try:
+        write(tmp)
         if durable:
-            write_durable(tmp, data)
-        else:
-            tmp.write_bytes(data)
+            with open(tmp, "rb+") as file:
+                os.fsync(file.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     if durable:
         fsync_dir(path.parent)
+
+
+def publish_bytes(path: Path, data: bytes, temp: Path | None = None, durable: bool = False) -> None:
+    """``publish_written`` of ``data``."""
+    publish_written(path, lambda tmp: tmp.write_bytes(data), temp, durable)

@@ -3,12 +3,13 @@ trace (chrome://tracing, Perfetto, TensorBoard's profiler plugin) when the last 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity
+
+from moe_train.atomic import publish_written
 
 
 class StepProfiler:
@@ -38,8 +39,6 @@ class StepProfiler:
         if number == self.last:
             self._profile.stop()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(self.path.name + ".tmp")
-            self._profile.export_chrome_trace(str(partial))
-            os.replace(partial, self.path)
+            publish_written(self.path, lambda tmp: self._profile.export_chrome_trace(str(tmp)))
             self._profile = None
             print(f"profile of steps {self.first}-{self.last} written to {self.path}", flush=True)
