@@ -299,5 +299,5 @@ class EmulatedLowLatency:
 
 def size_hint(max_tokens: int, hidden: int, num_experts: int) -> int:
     """Bytes of one rank's low-latency region (independent of the number of ranks, as in DeepEP)."""
-    return int(kernels_cuda.extension(kernels_cuda.default_device()).LowLatencyRuntime.size_hint(
+    return int(extension(default_device()).LowLatencyRuntime.size_hint(
         max_tokens, hidden, num_experts))
