@@ -1,7 +1,7 @@
 // Host side of kernels_cuda._C (torch extension; kernels_cuda._C_cpu in the CPU emulation build): the
 // module, and its intranode Runtime. Runtime owns every rank's communication buffer as this process
 // addresses it (one rank per process, the peers' buffers mapped through CUDA IPC; or every rank
-// emulated in one process), validates intranode configurations (ep_config.h) and fills the kernels'
+// emulated in one process), validates intranode configurations (params/config.h) and fills the kernels'
 // parameter blocks from the typed arguments bound here (op_args.h): every op takes a list with one
 // `...Rank` struct per rank of the launch (all ranks emulated, or this rank over NVLink) and an `...Op`.
 // Its lifecycle is RegionRuntime's (region_runtime.h, shared with the low-latency runtime); what it
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "../ep_params.h"
+#include "params/intranode.h"
 #include "internode_runtime.h"
 #include "low_latency_runtime.h"
 #include "region_runtime.h"
@@ -216,7 +216,7 @@ class Runtime final : public RegionRuntime {
         for (int r = 0; r < world_size_; ++r) a.peers[r] = regions_.at(r);
     }
 
-    // The op's channels and rings for its rows (ep_config.h's validate_intranode).
+    // The op's channels and rings for its rows (params/config.h's validate_intranode).
     template <typename Op>
     void validate(const Op& op, int local_experts) const {
         const ep::IntranodeConfig cfg{op.num_channels, op.chunk, op.capacity};

@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "../ep_internode_params.h"
+#include "params/internode.h"
 #include "internode_runtime.h"
 #include "rank_regions.h"
 #include "runtime_common.h"
@@ -137,7 +137,7 @@ void register_internode_args(py::module_& m) {
     bind_combine_settings(combine_op);
 }
 
-// The channels and rings of an op (ep_internode.h).
+// The channels and rings of an op (params/internode_layout.h).
 template <typename Op>
 ep::InternodeConfig config_of(const Op& op) {
     return {op.num_channels, op.nvl_chunk, op.nvl_capacity, op.rdma_chunk, op.rdma_capacity};
@@ -316,7 +316,7 @@ class InternodeRuntime : public RuntimeCore {
         a.num_tokens = d.num_tokens;
     }
 
-    // The op's channels and rings for its rows (ep_internode.h's validate_internode).
+    // The op's channels and rings for its rows (params/internode_layout.h's validate_internode).
     template <typename Op>
     void validate(const Op& op, int local_experts) const {
         const char* error =

@@ -2,7 +2,7 @@
 // process addresses it (one rank per process, its peers' regions mapped through CUDA IPC, or shared
 // memory on the CPU emulation; or every rank emulated in one process; NvshmemLowLatencyRuntime: the
 // region in NVSHMEM's symmetric heap, for peers on other machines), checks the sizes and fills the
-// kernels' parameter block (ep_low_latency.h) from the typed arguments bound here (op_args.h). Which
+// kernels' parameter block (params/low_latency.h) from the typed arguments bound here (op_args.h). Which
 // half an op uses, its number and the hook rule are kept by the Python engine (kernels_cuda/low_latency.py).
 #include "low_latency_runtime.h"
 
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "../ep_low_latency.h"
+#include "params/low_latency.h"
 #include "op_args.h"
 #include "region_runtime.h"
 #include "runtime_common.h"
