@@ -10,6 +10,13 @@ internode kernels across nodes, as deep_ep.Buffer), `EmulatedGroup` (every rank 
 `Schedule` for the emulation's fiber scheduler. `kernels_cuda.deep_ep` is DeepEP's API (`deep_ep.Buffer`,
 `Config`, events, tuple handles) over `Buffer`, for code written against DeepEP. Nothing here needs CUDA
 to import; loading an extension imports torch first (it links against torch's libraries).
+
+The C++/CUDA sources, csrc/: params/ holds what host and device code share (plain C++: constants,
+configurations and buffer layouts, the kernels' parameter blocks and launchers, the error record);
+device/ the device helpers the kernels are built from (PTX memory-model wrappers, transports, rings,
+barriers, timeout diagnostics, the launch helper); kernels/ the kernels (*.cu); host/ the pybind11
+runtimes that fill the parameter blocks from torch tensors; emu/ the CPU emulation of CUDA's runtime
+and device (the `_C_cpu` build).
 """
 from __future__ import annotations
 

@@ -360,8 +360,8 @@ class Buffer:
         NVLink buffer (`num_nvl_bytes`: the intranode buffer, or the internode NVLink region), or with
         `use_rdma_buffer` the RDMA buffer (`num_rdma_bytes`): the low-latency region in low_latency_mode, where
         DeepEP's low-latency kernels work, else the internode RDMA region. The memory the kernels use, not a
-        copy, laid out as csrc/ep_config.h, ep_internode.h and ep_low_latency.h say (not as DeepEP's);
-        valid until destroy()."""
+        copy, laid out as csrc/params/config.h, params/internode_layout.h and params/low_latency.h say (not as
+        DeepEP's); valid until destroy()."""
         where = f"kernels_cuda Buffer.get_local_buffer_tensor (rank {self.rank})"
         return region_view(self._local_region(use_rdma_buffer, where), dtype, size, offset, where)
 

@@ -52,8 +52,8 @@ _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) by
                    r"(?:, (\d+) bytes smem)?")
 _RDC_PREFIX = re.compile(r"^__nv_static_\w*?_(?=_Z)")  # -rdc=true prefixes kernels of anonymous namespaces
 _DRYRUN = re.compile(r"^#\$ (INCLUDES|SYSTEM_INCLUDES|LIBRARIES)=(.*)$")
-# {0: 'kEmulated', ...} from `enum class Backend` in csrc/ep_params.h, for the kernels' names.
-_BACKEND_ENUM = re.search(r"enum class Backend[^}]*}", (CSRC / "ep_params.h").read_text())[0]
+# {0: 'kEmulated', ...} from `enum class Backend` in csrc/params/intranode.h, for the kernels' names.
+_BACKEND_ENUM = re.search(r"enum class Backend[^}]*}", (CSRC / "params" / "intranode.h").read_text())[0]
 BACKENDS = {int(value): name for name, value in re.findall(r"\b(k\w+) = (\d+)", _BACKEND_ENUM)}
 
 

@@ -1,5 +1,5 @@
 """Kernel configurations (`Config` intranode, `InternodeConfig` two-hop), their validation and buffer
-sizing: a Python mirror of csrc/ep_config.h and csrc/ep_internode.h.
+sizing: a Python mirror of csrc/params/config.h and csrc/params/internode_layout.h.
 
 `validate` and `validate_internode` return None for a safe configuration or the same message as the
 C++ `validate_intranode` / `validate_internode` (tests/unit/test_kernels_build.py compiles
@@ -73,7 +73,7 @@ def buffer_bytes(num_ranks: int, num_channels: int, capacity: int, record_bytes:
 
 
 def rdma_region_bytes(num_nodes: int, num_channels: int, capacity: int, record_bytes: int) -> int:
-    """Mirror of make_rdma_layout(...).total (csrc/ep_internode.h)."""
+    """Mirror of make_rdma_layout(...).total (csrc/params/internode_layout.h)."""
     words = num_channels * num_nodes * 4
     metas, records = words * C.RDMA_META_INTS, num_channels * num_nodes * capacity * record_bytes
     notify = C.MAX_RDMA_PEERS * RDMA_NOTIFY_INTS * 4
@@ -83,7 +83,7 @@ def rdma_region_bytes(num_nodes: int, num_channels: int, capacity: int, record_b
 
 
 def nvl_region_bytes(num_nodes: int, gpus: int, num_channels: int, capacity: int, record_bytes: int) -> int:
-    """Mirror of make_nvl_layout(...).total (csrc/ep_internode.h)."""
+    """Mirror of make_nvl_layout(...).total (csrc/params/internode_layout.h)."""
     words = num_channels * gpus * num_nodes * 4
     return _stacked_bytes(C.MAX_NVL_PEERS * 4, C.MAX_NVL_PEERS * NVL_NOTIFY_INTS * 4,  # barrier, notify
                           2 * words, words, words,                                     # meta, head, tail

@@ -1,4 +1,4 @@
-"""The kernels' constants, parsed from csrc/ep_constants.h (the single source of truth).
+"""The kernels' constants, parsed from csrc/params/constants.h (the single source of truth).
 
 Each `constexpr <integer type> kName = <integer>;` line of the header becomes an attribute here
 (`kMaxRanks` -> `MAX_RANKS`), so the Python mirror of the config validation and the CPU protocol
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-HEADER = Path(__file__).resolve().parent / "csrc" / "ep_constants.h"
+HEADER = Path(__file__).resolve().parent / "csrc" / "params" / "constants.h"
 _LINE = re.compile(r"^\s*constexpr\s+(?:int|long long|int64_t)\s+k(\w+)\s*=\s*(-?\d+)(?:LL)?\s*;", re.MULTILINE)
 
 
@@ -18,7 +18,7 @@ def _snake(name: str) -> str:
 
 
 def parse_constants(text: str) -> dict[str, int]:
-    """{'MAX_RANKS': 8, ...} from the text of ep_constants.h."""
+    """{'MAX_RANKS': 8, ...} from the text of params/constants.h."""
     return {_snake(name): int(value) for name, value in _LINE.findall(text)}
 
 
@@ -42,9 +42,9 @@ MAX_EMULATED_RANKS = CONSTANTS["MAX_EMULATED_RANKS"]
 RDMA_META_INTS = CONSTANTS["RDMA_META_INTS"]
 DEFAULT_TIMEOUT_CYCLES = CONSTANTS["DEFAULT_TIMEOUT_CYCLES"]
 
-# Timeout diagnostics: role ids of csrc/ep_diag.h ("kRoleRdmaSender = 9," -> {9: "RdmaSender"}).
+# Timeout diagnostics: role ids of csrc/params/diag.h ("kRoleRdmaSender = 9," -> {9: "RdmaSender"}).
 ROLES = {int(value): name for name, value in
-         re.findall(r"^\s*kRole(\w+)\s*=\s*(\d+),", (HEADER.parent / "ep_diag.h").read_text(), re.MULTILINE)}
+         re.findall(r"^\s*kRole(\w+)\s*=\s*(\d+),", (HEADER.parent / "diag.h").read_text(), re.MULTILINE)}
 ERROR_KEYS = ("code", "role", "rank", "channel", "peer", "head", "tail", "expected")
 
 

@@ -2,8 +2,8 @@
 emulation: a view of the memory the kernels use, as DeepEP's, both ways.
 
 - The kernels' writes show through the view: after a dispatch, the count rows the notify kernels put
-  into this rank's buffer (our layout: csrc/ep_config.h BufferLayout::notify_rank intranode;
-  ep_internode.h NvlLayout::notify and RdmaLayout::notify internode, each at byte 128, read with DeepEP's
+  into this rank's buffer (our layout: csrc/params/config.h BufferLayout::notify_rank intranode;
+  params/internode_layout.h NvlLayout::notify and RdmaLayout::notify internode, each at byte 128, read with DeepEP's
   byte `offset` and `size`) equal the counts of every rank's routing.
 - Writes through the view reach the kernels: the low-latency combine's zero-copy input written through
   a view of the RDMA buffer (the low-latency region) is what `low_latency_combine(zero_copy=True)` sums.

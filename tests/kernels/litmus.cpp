@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "device.h"
-#include "ep_ptx.cuh"
+#include "device/ptx.cuh"
 
 namespace {
 

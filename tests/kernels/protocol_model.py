@@ -16,7 +16,7 @@ termination (a state where every unfinished role waits is a deadlock).
 The rules are the kernels' (chunked producer waits for room for a whole chunk; group tail publish;
 consumer head release after reading; combine reducers announce the next slot they need, decoded
 from the negative-head rewrite; the keeper releases the minimum over unretired reducers). Role
-splits use the kernels' warp counts from csrc/ep_constants.h unless a test shrinks them.
+splits use the kernels' warp counts from csrc/params/constants.h unless a test shrinks them.
 """
 from __future__ import annotations
 

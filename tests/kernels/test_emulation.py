@@ -63,6 +63,30 @@ def test_bad_arguments_are_refused_naming_the_argument():
         group.combine([y[:-1] for y in ys], [r[4] for r in results])
 
 
+
+def test_argument_structs_refuse_naming_the_field_and_keep_their_tensors():
+    """A `...Rank` struct is the kernel's own per-rank parameter struct and the tensors its pointers point
+    into: a missing tensor, an unknown keyword and a tensor on another device are refused naming the field,
+    and the tensors given live as long as the struct (the kernel's struct holds only their data pointers)."""
+    ext = kernels_cuda.extension("cpu")
+    fields = {"num_tokens_per_rank": torch.arange(R, dtype=torch.int32),
+              "num_tokens_per_expert": torch.arange(E, dtype=torch.int32),
+              "is_token_in_rank": torch.ones(T, R, dtype=torch.bool),
+              "rank_prefix_matrix": torch.arange(R * R, dtype=torch.int32).view(R, R),
+              "channel_prefix_matrix": torch.arange(R * 4, dtype=torch.int32).view(R, 4)}
+    with pytest.raises(RuntimeError, match="NotifyRank needs tensor 'is_token_in_rank'"):
+        ext.NotifyRank(rank=0, num_tokens=T, **{k: v for k, v in fields.items() if k != "is_token_in_rank"})
+    with pytest.raises(AttributeError, match="no_such_field"):
+        ext.NotifyRank(rank=0, num_tokens=T, no_such_field=1, **fields)
+    with pytest.raises(RuntimeError, match="tensor 'rank_prefix_matrix' must be on the CPU"):
+        ext.NotifyRank(rank=0, num_tokens=T, **{**fields, "rank_prefix_matrix": torch.empty(R, R, device="meta")})
+    args = ext.NotifyRank(rank=0, num_tokens=T, **{k: v.clone() for k, v in fields.items()})  # only it holds them
+    assert (args.rank, args.num_tokens, args.publish_counts) == (0, T, True)
+    for name, tensor in fields.items():
+        assert torch.equal(getattr(args, name), tensor), name
+    cached = ext.CachedNotifyRank(rank=1, num_tokens=T, channel_prefix_matrix=fields["channel_prefix_matrix"])
+    assert cached.send_head is None
+
 def test_a_grid_larger_than_the_device_is_refused_with_the_numbers():
     group = EmulatedGroup(8, 1 << 20, Config(num_sms=20), device="cpu")
     xs = payload("random", 8, 8, H, torch.bfloat16, 1, device="cpu")

@@ -112,8 +112,8 @@ def config_probe(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("no host C++ compiler")
     probe = tmp_path_factory.mktemp("probe") / "config_probe"
-    subprocess.run(["g++", "-std=c++17", "-O1", str(build.CSRC / "host" / "config_probe.cpp"), "-o", str(probe)],
-                   check=True)
+    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{build.CSRC}", str(build.CSRC / "host" / "config_probe.cpp"),
+                    "-o", str(probe)], check=True)
 
     def run(mode: str, grid: list[tuple[int, ...]]) -> list[str]:
         lines = "\n".join(" ".join(map(str, case)) for case in grid)
@@ -237,6 +237,6 @@ def test_the_cpu_build_digest_names_torch_and_the_sources_not_where_they_are(mon
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert build_cpu.plan(tree / "csrc").digest != here.digest
     monkeypatch.undo()
-    header = next((tree / "csrc").glob("*.h"))
+    header = next((tree / "csrc" / "params").glob("*.h"))
     header.write_text(header.read_text() + "\n")
     assert build_cpu.plan(tree / "csrc").digest != here.digest

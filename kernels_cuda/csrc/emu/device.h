@@ -1,7 +1,7 @@
 // What a kernel source sees of the device in the CPU emulation: force-included into every kernel file
 // (as nvcc includes cuda_runtime.h), it maps CUDA's qualifiers, builtins, warp collectives, barriers
 // and atomics onto the emulator (emulator.h). Memory-model primitives with explicit orders live in
-// ep_ptx.cuh / ep_diag.cuh, which call the emulator the same way.
+// device/ptx.cuh / device/diag.cuh, which call the emulator the same way.
 #pragma once
 #include <atomic>
 #include <bit>
@@ -148,7 +148,7 @@ inline long long clock64() { return ep_emu::clock64(); }
 inline void __nanosleep(unsigned ns) { ep_emu::nanosleep(ns); }
 [[noreturn]] inline void __trap() { ep_emu::trap(); }
 
-// __shared__ variables: one per block (see EP_SHARED in ep_ptx.cuh).
+// __shared__ variables: one per block (see EP_SHARED in device/ptx.cuh).
 namespace ep_emu {
 template <typename T>
 inline T& shared_variable(const char* site) {

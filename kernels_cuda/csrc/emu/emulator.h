@@ -2,7 +2,7 @@
 // shared/design.md, "Kernels on a CPU"). One launch runs every block at once, each CUDA thread a
 // fiber (fiber.h) on the calling OS thread. The kernels reach the emulator only through the device
 // header (device.h: builtins, warp collectives, barriers, __shared__) and the memory primitives in
-// ep_ptx.cuh / ep_diag.cuh, which call yield() before every atomic, acquire load, release store,
+// device/ptx.cuh / device/diag.cuh, which call yield() before every atomic, acquire load, release store,
 // fence, clock read and __nanosleep. At each such point the scheduler (round robin, uniform random,
 // or PCT: random priorities with d - 1 change points) picks the fiber that runs next; its choices
 // come from a seed, so a seed replays a launch exactly.
@@ -22,7 +22,7 @@
 //  * a cooperative grid larger than Schedule::sm_count blocks is refused, as on a GPU.
 //
 // Memory is sequentially consistent by default: a store is seen by every fiber at once. Under
-// Memory::kRelaxed, plain stores that other threads read (ep_ptx.cuh's st_plain / st_int4) stay
+// Memory::kRelaxed, plain stores that other threads read (device/ptx.cuh's st_plain / st_int4) stay
 // pending, seen by the storing thread only, until the PTX memory model makes them visible (the
 // rules are at "the relaxed memory mode" in emulator.cpp and in docs/kernels_emulation.md), so that
 // a missing fence or a release downgraded to a plain store shows as stale data. Stores become visible

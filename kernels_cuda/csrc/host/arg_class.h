@@ -1,33 +1,20 @@
-// ArgClass<T>: binds a host argument struct (host/op_args.h) as a Python class whose constructor takes
-// the fields as keywords, e.g. `DispatchRank(rank=0, num_tokens=8, x=x, ...)`. Each field is named
-// here once, when it is bound; the C++ side reads the struct's fields. A tensor field checks its device
-// when set and, unless bound as optional, must be given (both errors name the field); an unknown
-// keyword is an AttributeError naming it.
+// ArgClass<T>: binds a host argument struct as a Python class whose constructor takes the fields as
+// keywords, e.g. `DispatchRank(rank=0, num_tokens=8, x=x, ...)`. T is an op's settings (op_args.h) or
+// one rank's arguments, RankArgs (rank_args.h): there a field is the kernel's own parameter field, so
+// each is named in its kernel struct (params/*.h) and here, where it is bound, and nowhere else. A
+// tensor field checks its device when set and, unless bound as optional, must be given (both errors
+// name the field); an unknown keyword is an AttributeError naming it.
 #pragma once
 #include <torch/extension.h>
 
-#include <functional>
 #include <optional>
-#include <utility>
+#include <type_traits>
 #include <vector>
 
 #include "device_api.h"
+#include "rank_args.h"
 
 namespace py = pybind11;
-
-// The data pointer of a tensor field, nullptr when it was not given (None). An empty tensor (a rank
-// that receives nothing) has a null data pointer too, which the kernels never dereference.
-template <typename T>
-T* data_of(const at::Tensor& t) {
-    return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
-}
-
-// A tensor field that this op needs although the struct leaves it optional.
-template <typename T>
-T* required_data(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.defined(), "kernels_cuda: missing tensor '", name, "'");
-    return data_of<T>(t);
-}
 
 template <typename T>
 class ArgClass {
@@ -36,49 +23,60 @@ class ArgClass {
         cls_.def(py::init([name](const py::kwargs& fields) { return from_fields(name, fields); }));
     }
 
-    // A tensor that must be given.
-    template <typename Owner>
-    ArgClass& tensor(const char* name, at::Tensor Owner::*member) {
-        required().emplace_back(name, [member](const T& t) { return (t.*member).defined(); });
+    // A tensor that must be given; its data pointer goes to the kernel's pointer field `member`.
+    template <typename Kernel, typename P>
+    ArgClass& tensor(const char* name, P* Kernel::*member) {
+        required().push_back(name);
         return optional_tensor(name, member);
     }
 
-    // A tensor that may be None (left out: None).
-    template <typename Owner>
-    ArgClass& optional_tensor(const char* name, at::Tensor Owner::*member) {
+    // A tensor that may be None (left out: None, a null pointer). An empty tensor (a rank that receives
+    // nothing) has a null data pointer too, which the kernels never dereference.
+    template <typename Kernel, typename P>
+    ArgClass& optional_tensor(const char* name, P* Kernel::*member) {
+        static_assert(std::is_same_v<Kernel, typename T::KernelArgs>, "a field of this rank's kernel struct");
         cls_.def_property(
-            name,
-            [member](const T& t) { return (t.*member).defined() ? std::optional<at::Tensor>(t.*member) : std::nullopt; },
+            name, [name](const T& t) { return t.given(name); },
             [member, name](T& t, const std::optional<at::Tensor>& value) {
                 TORCH_CHECK(!value || on_launch_device(*value), "kernels_cuda: tensor '", name, "' must be on the ",
                             kLaunchDevice);
-                t.*member = value.value_or(at::Tensor());
+                t.kernel.*member = value ? static_cast<P*>(value->data_ptr()) : nullptr;
+                t.keep(name, value);
             });
         return *this;
     }
 
-    // A number or flag (left out: the struct's default).
+    // A number or flag (left out: the struct's default), of T itself or of its kernel struct.
     template <typename Owner, typename V>
     ArgClass& value(const char* name, V Owner::*member) {
         cls_.def_property(
-            name, [member](const T& t) { return t.*member; }, [member](T& t, const V& v) { t.*member = v; });
+            name, [member](const T& t) { return holder<Owner>(t).*member; },
+            [member](T& t, const V& v) { holder<Owner>(t).*member = v; });
         return *this;
     }
 
    private:
-    using Check = std::pair<const char*, std::function<bool(const T&)>>;
+    // Where a field of `Owner` lives: T (an op struct, or a rank's host-only fields), else T's kernel struct.
+    template <typename Owner, typename Self>
+    static auto& holder(Self& t) {
+        if constexpr (std::is_base_of_v<Owner, T>)
+            return t;
+        else
+            return t.kernel;
+    }
 
-    static std::vector<Check>& required() {
-        static std::vector<Check> checks;
-        return checks;
+    static std::vector<const char*>& required() {
+        static std::vector<const char*> names;
+        return names;
     }
 
     static T from_fields(const char* class_name, const py::kwargs& fields) {
         py::object self = py::cast(T{});
         for (const auto& [name, value] : fields) py::setattr(self, name, value);
         const T& t = self.cast<const T&>();
-        for (const auto& [name, given] : required())
-            TORCH_CHECK(given(t), "kernels_cuda: ", class_name, " needs tensor '", name, "'");
+        if constexpr (std::is_base_of_v<KeptTensors, T>)
+            for (const char* name : required())
+                TORCH_CHECK(t.given(name), "kernels_cuda: ", class_name, " needs tensor '", name, "'");
         return t;
     }
 

@@ -1,9 +1,10 @@
 // Host side of kernels_cuda._C (torch extension; kernels_cuda._C_cpu in the CPU emulation build): the
 // module, and its intranode Runtime. Runtime owns every rank's communication buffer as this process
 // addresses it (one rank per process, the peers' buffers mapped through CUDA IPC; or every rank
-// emulated in one process), validates intranode configurations (ep_config.h) and fills the kernels'
+// emulated in one process), validates intranode configurations (params/config.h) and fills the kernels'
 // parameter blocks from the typed arguments bound here (op_args.h): every op takes a list with one
-// `...Rank` struct per rank of the launch (all ranks emulated, or this rank over NVLink) and an `...Op`.
+// `...Rank` per rank of the launch (all ranks emulated, or this rank over NVLink), the kernel's per-rank
+// struct itself (rank_args.h), and an `...Op`.
 // Its lifecycle is RegionRuntime's (region_runtime.h, shared with the low-latency runtime); what it
 // shares with the internode runtimes (host/internode_runtime.cpp) is RuntimeCore (runtime_common.h).
 #include <cuda_runtime.h>
@@ -13,90 +14,72 @@
 #include <utility>
 #include <vector>
 
-#include "../ep_params.h"
+#include "params/intranode.h"
 #include "internode_runtime.h"
 #include "low_latency_runtime.h"
 #include "region_runtime.h"
 #include "runtime_common.h"
 #include "op_args.h"
+#include "rank_args.h"
 #include "cuda_check.h"
 
 namespace {
 
-struct NotifyRank : RankTokens {
-    at::Tensor num_tokens_per_rank;
-    at::Tensor num_tokens_per_expert;
-    at::Tensor is_token_in_rank;
-    at::Tensor rank_prefix_matrix;     // out
-    at::Tensor channel_prefix_matrix;  // out
-    bool publish_counts = true;        // false for a num_worst_tokens dispatch, which allocates without them
-};
-struct NotifyOp : LaunchSettings, ExpertCounts {};
+// The kernels' per-rank structs, bound (rank_args.h), and the ops' settings (op_args.h).
+using NotifyRank = RankArgs<ep::NotifyRankArgs, CountPublishing>;
+using CachedNotifyRank = RankArgs<ep::CachedNotifyRankArgs>;
+using DispatchRank = RankArgs<ep::DispatchRankArgs>;
+using CombineRank = RankArgs<ep::CombineRankArgs>;
+using NotifyOp = OpArgs<LaunchSettings, ExpertCounts>;
+using CachedNotifyOp = OpArgs<LaunchSettings, HeadRewrite>;
+using DispatchOp = OpArgs<LaunchSettings, IntranodeRings, DispatchSettings>;
+using CombineOp = OpArgs<LaunchSettings, IntranodeRings, CombineSettings>;
 
-struct CachedNotifyRank : RankTokens {
-    at::Tensor send_head;  // rewritten before a combine (rewrite_heads), and needed then only
-    at::Tensor channel_prefix_matrix;
-};
-struct CachedNotifyOp : LaunchSettings, HeadRewrite {};
+// What the notify computes and the dispatch reads: where each (rank, channel)'s tokens start.
+template <typename T>
+void bind_routing(ArgClass<T>& c) {
+    using K = typename T::KernelArgs;
+    c.tensor("rank_prefix_matrix", &K::rank_prefix_matrix).tensor("channel_prefix_matrix", &K::channel_prefix_matrix);
+}
 
-struct DispatchRank : RankTokens, DispatchPayload {
-    at::Tensor channel_prefix_matrix;
-    at::Tensor rank_prefix_matrix;
-    at::Tensor recv_channel_offset;  // out
-    at::Tensor send_head;            // out
-};
-struct DispatchOp : LaunchSettings, IntranodeRings, DispatchSettings {};
-
-struct CombineRank : RankTokens, CombinePayload {
-    at::Tensor rank_prefix_matrix;
-    at::Tensor recv_channel_offset;
-    at::Tensor send_head;
-};
-struct CombineOp : LaunchSettings, IntranodeRings, CombineSettings {};
+// What the dispatch writes and the combine reads: where the received rows came from.
+template <typename T>
+void bind_receipt(ArgClass<T>& c) {
+    using K = typename T::KernelArgs;
+    c.tensor("recv_channel_offset", &K::recv_channel_offset).tensor("send_head", &K::send_head);
+}
 
 void register_intranode_args(py::module_& m) {
     ArgClass<NotifyRank> notify(m, "NotifyRank");
+    using N = ep::NotifyRankArgs;
     bind_rank_tokens(notify);
-    notify.tensor("num_tokens_per_rank", &NotifyRank::num_tokens_per_rank)
-        .tensor("num_tokens_per_expert", &NotifyRank::num_tokens_per_expert)
-        .tensor("is_token_in_rank", &NotifyRank::is_token_in_rank)
-        .tensor("rank_prefix_matrix", &NotifyRank::rank_prefix_matrix)
-        .tensor("channel_prefix_matrix", &NotifyRank::channel_prefix_matrix)
-        .value("publish_counts", &NotifyRank::publish_counts);
-    ArgClass<NotifyOp> notify_op(m, "NotifyOp");
-    bind_launch_settings(notify_op);
-    bind_expert_counts(notify_op);
+    notify.tensor("num_tokens_per_rank", &N::num_tokens_per_rank)
+        .tensor("num_tokens_per_expert", &N::num_tokens_per_expert)
+        .tensor("is_token_in_rank", &N::is_token_in_rank)
+        .value("publish_counts", &CountPublishing::publish_counts);
+    bind_routing(notify);  // out
+    NotifyOp::bind(m, "NotifyOp");
 
     ArgClass<CachedNotifyRank> cached(m, "CachedNotifyRank");
     bind_rank_tokens(cached);
-    cached.optional_tensor("send_head", &CachedNotifyRank::send_head)
-        .tensor("channel_prefix_matrix", &CachedNotifyRank::channel_prefix_matrix);
-    ArgClass<CachedNotifyOp> cached_op(m, "CachedNotifyOp");
-    bind_launch_settings(cached_op);
-    bind_head_rewrite(cached_op);
+    // send_head is rewritten before a combine (rewrite_heads), and needed then only.
+    cached.optional_tensor("send_head", &ep::CachedNotifyRankArgs::send_head)
+        .tensor("channel_prefix_matrix", &ep::CachedNotifyRankArgs::channel_prefix_matrix);
+    CachedNotifyOp::bind(m, "CachedNotifyOp");
 
     ArgClass<DispatchRank> dispatch(m, "DispatchRank");
     bind_rank_tokens(dispatch);
     bind_dispatch_payload(dispatch);
-    dispatch.tensor("channel_prefix_matrix", &DispatchRank::channel_prefix_matrix)
-        .tensor("rank_prefix_matrix", &DispatchRank::rank_prefix_matrix)
-        .tensor("recv_channel_offset", &DispatchRank::recv_channel_offset)
-        .tensor("send_head", &DispatchRank::send_head);
-    ArgClass<DispatchOp> dispatch_op(m, "DispatchOp");
-    bind_launch_settings(dispatch_op);
-    bind_intranode_rings(dispatch_op);
-    bind_dispatch_settings(dispatch_op);
+    bind_routing(dispatch);
+    bind_receipt(dispatch);  // out
+    DispatchOp::bind(m, "DispatchOp");
 
     ArgClass<CombineRank> combine(m, "CombineRank");
     bind_rank_tokens(combine);
     bind_combine_payload(combine);
-    combine.tensor("rank_prefix_matrix", &CombineRank::rank_prefix_matrix)
-        .tensor("recv_channel_offset", &CombineRank::recv_channel_offset)
-        .tensor("send_head", &CombineRank::send_head);
-    ArgClass<CombineOp> combine_op(m, "CombineOp");
-    bind_launch_settings(combine_op);
-    bind_intranode_rings(combine_op);
-    bind_combine_settings(combine_op);
+    combine.tensor("rank_prefix_matrix", &ep::CombineRankArgs::rank_prefix_matrix);
+    bind_receipt(combine);
+    CombineOp::bind(m, "CombineOp");
 }
 
 class Runtime final : public RegionRuntime {
@@ -118,11 +101,6 @@ class Runtime final : public RegionRuntime {
             const NotifyRank& d = ranks[i];
             ep::NotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.num_tokens_per_rank = data_of<int>(d.num_tokens_per_rank);
-            a.num_tokens_per_expert = data_of<int>(d.num_tokens_per_expert);
-            a.is_token_in_rank = data_of<bool>(d.is_token_in_rank);
-            a.rank_prefix_matrix = data_of<int>(d.rank_prefix_matrix);
-            a.channel_prefix_matrix = data_of<int>(d.channel_prefix_matrix);
             // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
             // otherwise land after the next notify reset the counters and pass for its counts.
             if (!d.publish_counts) continue;
@@ -148,8 +126,10 @@ class Runtime final : public RegionRuntime {
             const CachedNotifyRank& d = ranks[i];
             ep::CachedNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.send_head = op.rewrite_heads ? required_data<int>(d.send_head, "send_head") : nullptr;
-            a.channel_prefix_matrix = data_of<int>(d.channel_prefix_matrix);
+            if (op.rewrite_heads)
+                d.require("send_head");
+            else
+                a.send_head = nullptr;  // the kernel's sign that there is nothing to rewrite
         }
         check_cuda(ep::launch_cached_notify(p, backend_, stream_.get()), "cached_notify");
     }
@@ -161,16 +141,7 @@ class Runtime final : public RegionRuntime {
         validate(op, op.num_experts / world_size_);
         fill_dispatch_settings(p, op);
         p.chunk = op.chunk;
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const DispatchRank& d = ranks[i];
-            ep::DispatchRankArgs& a = p.ranks[i];
-            fill_rank(a, d);
-            fill_dispatch_payload(a, d);
-            a.channel_prefix_matrix = data_of<int>(d.channel_prefix_matrix);
-            a.rank_prefix_matrix = data_of<int>(d.rank_prefix_matrix);
-            a.recv_channel_offset = data_of<int>(d.recv_channel_offset);
-            a.send_head = data_of<int>(d.send_head);
-        }
+        for (size_t i = 0; i < ranks.size(); ++i) fill_rank(p.ranks[i], ranks[i]);
         check_cuda(ep::launch_dispatch(p, backend_, stream_.get()), "dispatch");
     }
 
@@ -182,15 +153,7 @@ class Runtime final : public RegionRuntime {
         fill_combine_settings(p, op);
         p.chunk = op.chunk;
         const auto payload = op.float32 ? ep::Payload::kFloat32 : ep::Payload::kBF16;
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const CombineRank& d = ranks[i];
-            ep::CombineRankArgs& a = p.ranks[i];
-            fill_rank(a, d);
-            fill_combine_payload(a, d);
-            a.rank_prefix_matrix = data_of<int>(d.rank_prefix_matrix);
-            a.recv_channel_offset = data_of<int>(d.recv_channel_offset);
-            a.send_head = data_of<int>(d.send_head);
-        }
+        for (size_t i = 0; i < ranks.size(); ++i) fill_rank(p.ranks[i], ranks[i]);
         check_cuda(ep::launch_combine(p, backend_, payload, stream_.get()), "combine");
     }
 
@@ -207,16 +170,15 @@ class Runtime final : public RegionRuntime {
         check_fits("buffer", p.layout.total, num_bytes_);
     }
 
-    // What every rank's arguments have: its rank, tokens and every rank's buffer as this process sees it.
-    template <typename RankArgs>
-    void fill_rank(RankArgs& a, const RankTokens& d) const {
-        a.rank = d.rank;
-        a.num_tokens = d.num_tokens;
+    // A rank's arguments as bound, and every rank's buffer as this process sees it.
+    template <typename Rank>
+    void fill_rank(typename Rank::KernelArgs& a, const Rank& d) const {
+        a = d.kernel;
         check_launch_rank(a.rank);
         for (int r = 0; r < world_size_; ++r) a.peers[r] = regions_.at(r);
     }
 
-    // The op's channels and rings for its rows (ep_config.h's validate_intranode).
+    // The op's channels and rings for its rows (params/config.h's validate_intranode).
     template <typename Op>
     void validate(const Op& op, int local_experts) const {
         const ep::IntranodeConfig cfg{op.num_channels, op.chunk, op.capacity};

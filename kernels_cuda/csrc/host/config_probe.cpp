@@ -1,6 +1,6 @@
-// Host-only probe of the configuration checks and buffer sizes (ep_config.h, ep_internode.h) for the
-// CPU tests, which compare its answers with kernels_cuda/config.py. Reads lines from stdin and prints
-// one answer per line, "OK <sizes>" or "ERR <message>":
+// Host-only probe of the configuration checks and buffer sizes (params/config.h,
+// params/internode_layout.h) for the CPU tests, which compare its answers with kernels_cuda/config.py.
+// Reads lines from stdin and prints one answer per line, "OK <sizes>" or "ERR <message>":
 //   config_probe intranode: channels chunk capacity ranks hidden_bytes topk local_experts buffer_bytes
 //                           -> OK <buffer bytes needed>
 //   config_probe internode: channels nvl_chunk nvl_capacity rdma_chunk rdma_capacity nodes gpus_per_node
@@ -11,7 +11,7 @@
 #include <iostream>
 #include <string>
 
-#include "../ep_internode.h"
+#include "params/internode_layout.h"
 
 namespace {
 

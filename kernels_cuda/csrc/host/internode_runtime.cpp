@@ -1,7 +1,8 @@
 // Host side of the internode kernels (part of kernels_cuda._C, registered by register_internode).
 // InternodeRuntime holds what every internode set-up shares on top of RuntimeCore (runtime_common.h):
 // every rank's RDMA and NVLink region as this process addresses it (two RankRegions), validation
-// (validate_internode) and the parameter blocks from the typed arguments bound here (op_args.h). Set-ups:
+// (validate_internode) and the parameter blocks from the typed arguments bound here (op_args.h,
+// rank_args.h). Set-ups:
 //   EmulatedInternodeRuntime  nodes x GPUs ranks in one process, the regions slices of two allocations,
 //                             one launch for all ranks (Backend::kEmulated);
 //   ProcessInternodeRuntime   this process's rank; its NVLink region shared with the node's GPUs
@@ -18,126 +19,96 @@
 #include <utility>
 #include <vector>
 
-#include "../ep_internode_params.h"
+#include "params/internode.h"
 #include "internode_runtime.h"
 #include "rank_regions.h"
 #include "runtime_common.h"
 #include "op_args.h"
+#include "rank_args.h"
 #include "symmetric_region.h"
 #include "cuda_check.h"
 
 namespace {
 
-struct InternodeNotifyRank : RankTokens {
-    at::Tensor num_tokens_per_rank;
-    at::Tensor num_tokens_per_node;
-    at::Tensor num_tokens_per_expert;
-    at::Tensor is_token_in_rank;
-    at::Tensor rdma_channel_prefix_matrix;  // out
-    at::Tensor gbl_channel_prefix_matrix;   // out
-    at::Tensor recv_rdma_rank_prefix_sum;   // out
-    at::Tensor recv_gbl_rank_prefix_sum;    // out
-    bool publish_counts = true;             // false for a num_worst_tokens dispatch, which allocates without them
+// The kernels' per-rank structs, bound (rank_args.h), and the ops' settings (op_args.h). A rank's
+// place in the world (ep::InternodePeers) is the runtime's, from its number.
+struct InternodeRank {
+    int rank = -1;
 };
-struct InternodeNotifyOp : LaunchSettings, InternodeRings, ExpertCounts {};
+using InternodeNotifyRank = RankArgs<ep::InternodeNotifyRankArgs, InternodeRank, CountPublishing>;
+using InternodeCachedNotifyRank = RankArgs<ep::InternodeCachedNotifyRankArgs, InternodeRank>;
+using InternodeDispatchRank = RankArgs<ep::InternodeDispatchRankArgs, InternodeRank>;
+using InternodeCombineRank = RankArgs<ep::InternodeCombineRankArgs, InternodeRank>;
+using InternodeNotifyOp = OpArgs<LaunchSettings, InternodeRings, ExpertCounts>;
+using InternodeCachedNotifyOp = OpArgs<LaunchSettings, InternodeRings, HeadRewrite>;
+using InternodeDispatchOp = OpArgs<LaunchSettings, InternodeRings, DispatchSettings>;
+using InternodeCombineOp = OpArgs<LaunchSettings, InternodeRings, CombineSettings>;
 
-// The head tables are rewritten before a combine only (rewrite_heads), and needed then only.
-struct InternodeCachedNotifyRank : RankTokens {
-    at::Tensor send_rdma_head;
-    at::Tensor rdma_channel_prefix_matrix;
-    at::Tensor send_nvl_head;
-    at::Tensor recv_rdma_rank_prefix_sum;
-    at::Tensor recv_rdma_channel_offset;
-};
-struct InternodeCachedNotifyOp : LaunchSettings, InternodeRings, HeadRewrite {};
+template <typename T>
+void bind_internode_rank(ArgClass<T>& c) {
+    c.value("rank", &InternodeRank::rank).value("num_tokens", &T::KernelArgs::num_tokens);
+}
 
-struct InternodeDispatchRank : RankTokens, DispatchPayload {
-    at::Tensor rdma_channel_prefix_matrix;
-    at::Tensor gbl_channel_prefix_matrix;
-    at::Tensor recv_rdma_rank_prefix_sum;
-    at::Tensor recv_gbl_rank_prefix_sum;
-    at::Tensor recv_rdma_channel_offset;  // out
-    at::Tensor recv_gbl_channel_offset;   // out
-    at::Tensor send_rdma_head;            // out
-    at::Tensor send_nvl_head;             // out
-};
-struct InternodeDispatchOp : LaunchSettings, InternodeRings, DispatchSettings {};
+// What the notify computes and the dispatch reads: where each (node or rank, channel)'s tokens start.
+template <typename T>
+void bind_internode_routing(ArgClass<T>& c) {
+    using K = typename T::KernelArgs;
+    c.tensor("rdma_channel_prefix_matrix", &K::rdma_channel_prefix_matrix)
+        .tensor("gbl_channel_prefix_matrix", &K::gbl_channel_prefix_matrix);
+    c.tensor("recv_rdma_rank_prefix_sum", &K::recv_rdma_rank_prefix_sum)
+        .tensor("recv_gbl_rank_prefix_sum", &K::recv_gbl_rank_prefix_sum);
+}
 
-struct InternodeCombineRank : RankTokens, CombinePayload {
-    at::Tensor recv_gbl_rank_prefix_sum;
-    at::Tensor recv_gbl_channel_offset;
-    at::Tensor recv_rdma_rank_prefix_sum;
-    at::Tensor recv_rdma_channel_offset;
-    at::Tensor send_nvl_head;
-    at::Tensor send_rdma_head;
-};
-struct InternodeCombineOp : LaunchSettings, InternodeRings, CombineSettings {};
+// What the dispatch writes and the combine reads: where the received records and rows came from.
+template <typename T>
+void bind_internode_receipt(ArgClass<T>& c) {
+    using K = typename T::KernelArgs;
+    c.tensor("recv_rdma_channel_offset", &K::recv_rdma_channel_offset)
+        .tensor("recv_gbl_channel_offset", &K::recv_gbl_channel_offset);
+    c.tensor("send_rdma_head", &K::send_rdma_head).tensor("send_nvl_head", &K::send_nvl_head);
+}
 
 void register_internode_args(py::module_& m) {
     ArgClass<InternodeNotifyRank> notify(m, "InternodeNotifyRank");
-    using N = InternodeNotifyRank;
-    bind_rank_tokens(notify);
+    using N = ep::InternodeNotifyRankArgs;
+    bind_internode_rank(notify);
     notify.tensor("num_tokens_per_rank", &N::num_tokens_per_rank)
         .tensor("num_tokens_per_node", &N::num_tokens_per_node)
         .tensor("num_tokens_per_expert", &N::num_tokens_per_expert)
         .tensor("is_token_in_rank", &N::is_token_in_rank)
-        .tensor("rdma_channel_prefix_matrix", &N::rdma_channel_prefix_matrix)
-        .tensor("gbl_channel_prefix_matrix", &N::gbl_channel_prefix_matrix)
-        .tensor("recv_rdma_rank_prefix_sum", &N::recv_rdma_rank_prefix_sum)
-        .tensor("recv_gbl_rank_prefix_sum", &N::recv_gbl_rank_prefix_sum)
-        .value("publish_counts", &N::publish_counts);
-    ArgClass<InternodeNotifyOp> notify_op(m, "InternodeNotifyOp");
-    bind_launch_settings(notify_op);
-    bind_internode_rings(notify_op);
-    bind_expert_counts(notify_op);
+        .value("publish_counts", &CountPublishing::publish_counts);
+    bind_internode_routing(notify);  // out
+    InternodeNotifyOp::bind(m, "InternodeNotifyOp");
 
+    // The head tables are rewritten before a combine only (rewrite_heads), and needed then only.
     ArgClass<InternodeCachedNotifyRank> cached(m, "InternodeCachedNotifyRank");
-    using C = InternodeCachedNotifyRank;
-    bind_rank_tokens(cached);
+    using C = ep::InternodeCachedNotifyRankArgs;
+    bind_internode_rank(cached);
     cached.optional_tensor("send_rdma_head", &C::send_rdma_head)
         .optional_tensor("rdma_channel_prefix_matrix", &C::rdma_channel_prefix_matrix)
         .optional_tensor("send_nvl_head", &C::send_nvl_head)
         .optional_tensor("recv_rdma_rank_prefix_sum", &C::recv_rdma_rank_prefix_sum)
         .optional_tensor("recv_rdma_channel_offset", &C::recv_rdma_channel_offset);
-    ArgClass<InternodeCachedNotifyOp> cached_op(m, "InternodeCachedNotifyOp");
-    bind_launch_settings(cached_op);
-    bind_internode_rings(cached_op);
-    bind_head_rewrite(cached_op);
+    InternodeCachedNotifyOp::bind(m, "InternodeCachedNotifyOp");
 
     ArgClass<InternodeDispatchRank> dispatch(m, "InternodeDispatchRank");
-    using D = InternodeDispatchRank;
-    bind_rank_tokens(dispatch);
+    bind_internode_rank(dispatch);
     bind_dispatch_payload(dispatch);
-    dispatch.tensor("rdma_channel_prefix_matrix", &D::rdma_channel_prefix_matrix)
-        .tensor("gbl_channel_prefix_matrix", &D::gbl_channel_prefix_matrix)
-        .tensor("recv_rdma_rank_prefix_sum", &D::recv_rdma_rank_prefix_sum)
-        .tensor("recv_gbl_rank_prefix_sum", &D::recv_gbl_rank_prefix_sum)
-        .tensor("recv_rdma_channel_offset", &D::recv_rdma_channel_offset)
-        .tensor("recv_gbl_channel_offset", &D::recv_gbl_channel_offset)
-        .tensor("send_rdma_head", &D::send_rdma_head)
-        .tensor("send_nvl_head", &D::send_nvl_head);
-    ArgClass<InternodeDispatchOp> dispatch_op(m, "InternodeDispatchOp");
-    bind_launch_settings(dispatch_op);
-    bind_internode_rings(dispatch_op);
-    bind_dispatch_settings(dispatch_op);
+    bind_internode_routing(dispatch);
+    bind_internode_receipt(dispatch);  // out
+    InternodeDispatchOp::bind(m, "InternodeDispatchOp");
 
     ArgClass<InternodeCombineRank> combine(m, "InternodeCombineRank");
-    using K = InternodeCombineRank;
-    bind_rank_tokens(combine);
+    using K = ep::InternodeCombineRankArgs;
+    bind_internode_rank(combine);
     bind_combine_payload(combine);
-    combine.tensor("recv_gbl_rank_prefix_sum", &K::recv_gbl_rank_prefix_sum)
-        .tensor("recv_gbl_channel_offset", &K::recv_gbl_channel_offset)
-        .tensor("recv_rdma_rank_prefix_sum", &K::recv_rdma_rank_prefix_sum)
-        .tensor("recv_rdma_channel_offset", &K::recv_rdma_channel_offset)
-        .tensor("send_nvl_head", &K::send_nvl_head)
-        .tensor("send_rdma_head", &K::send_rdma_head);
-    ArgClass<InternodeCombineOp> combine_op(m, "InternodeCombineOp");
-    bind_launch_settings(combine_op);
-    bind_internode_rings(combine_op);
-    bind_combine_settings(combine_op);
+    combine.tensor("recv_rdma_rank_prefix_sum", &K::recv_rdma_rank_prefix_sum)
+        .tensor("recv_gbl_rank_prefix_sum", &K::recv_gbl_rank_prefix_sum);
+    bind_internode_receipt(combine);
+    InternodeCombineOp::bind(m, "InternodeCombineOp");
 }
 
-// The channels and rings of an op (ep_internode.h).
+// The channels and rings of an op (params/internode_layout.h).
 template <typename Op>
 ep::InternodeConfig config_of(const Op& op) {
     return {op.num_channels, op.nvl_chunk, op.nvl_capacity, op.rdma_chunk, op.rdma_capacity};
@@ -157,14 +128,6 @@ class InternodeRuntime : public RuntimeCore {
             const InternodeNotifyRank& d = ranks[i];
             ep::InternodeNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            a.num_tokens_per_rank = data_of<int>(d.num_tokens_per_rank);
-            a.num_tokens_per_node = data_of<int>(d.num_tokens_per_node);
-            a.num_tokens_per_expert = data_of<int>(d.num_tokens_per_expert);
-            a.is_token_in_rank = data_of<bool>(d.is_token_in_rank);
-            a.rdma_channel_prefix_matrix = data_of<int>(d.rdma_channel_prefix_matrix);
-            a.gbl_channel_prefix_matrix = data_of<int>(d.gbl_channel_prefix_matrix);
-            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
-            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
             // Without a host wait (num_worst_tokens) the kernel publishes nothing: a late write could
             // otherwise land after the next notify reset the counters and pass for its counts.
             if (!d.publish_counts) continue;
@@ -197,12 +160,10 @@ class InternodeRuntime : public RuntimeCore {
             const InternodeCachedNotifyRank& d = ranks[i];
             ep::InternodeCachedNotifyRankArgs& a = p.ranks[i];
             fill_rank(a, d);
-            if (!p.rewrite_heads) continue;
-            a.send_rdma_head = required_data<int>(d.send_rdma_head, "send_rdma_head");
-            a.rdma_channel_prefix_matrix = required_data<int>(d.rdma_channel_prefix_matrix, "rdma_channel_prefix_matrix");
-            a.send_nvl_head = required_data<int>(d.send_nvl_head, "send_nvl_head");
-            a.recv_rdma_rank_prefix_sum = required_data<int>(d.recv_rdma_rank_prefix_sum, "recv_rdma_rank_prefix_sum");
-            a.recv_rdma_channel_offset = required_data<int>(d.recv_rdma_channel_offset, "recv_rdma_channel_offset");
+            if (!p.rewrite_heads) continue;  // the kernel then reads none of them
+            for (const char* name : {"send_rdma_head", "rdma_channel_prefix_matrix", "send_nvl_head",
+                                     "recv_rdma_rank_prefix_sum", "recv_rdma_channel_offset"})
+                d.require(name);
         }
         check_cuda(ep::launch_internode_cached_notify(p, backend_, stream_.get()), "internode cached notify");
     }
@@ -215,20 +176,7 @@ class InternodeRuntime : public RuntimeCore {
         fill_dispatch_settings(p, op);
         p.nvl_chunk = op.nvl_chunk;
         p.rdma_chunk = op.rdma_chunk;
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const InternodeDispatchRank& d = ranks[i];
-            ep::InternodeDispatchRankArgs& a = p.ranks[i];
-            fill_rank(a, d);
-            fill_dispatch_payload(a, d);
-            a.rdma_channel_prefix_matrix = data_of<int>(d.rdma_channel_prefix_matrix);
-            a.gbl_channel_prefix_matrix = data_of<int>(d.gbl_channel_prefix_matrix);
-            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
-            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
-            a.recv_rdma_channel_offset = data_of<int>(d.recv_rdma_channel_offset);
-            a.recv_gbl_channel_offset = data_of<int>(d.recv_gbl_channel_offset);
-            a.send_rdma_head = data_of<int>(d.send_rdma_head);
-            a.send_nvl_head = data_of<int>(d.send_nvl_head);
-        }
+        for (size_t i = 0; i < ranks.size(); ++i) fill_rank(p.ranks[i], ranks[i]);
         check_cuda(ep::launch_internode_dispatch(p, backend_, stream_.get()), "internode dispatch");
     }
 
@@ -241,18 +189,7 @@ class InternodeRuntime : public RuntimeCore {
         p.nvl_chunk = op.nvl_chunk;
         p.rdma_chunk = op.rdma_chunk;
         const auto payload = op.float32 ? ep::Payload::kFloat32 : ep::Payload::kBF16;
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const InternodeCombineRank& d = ranks[i];
-            ep::InternodeCombineRankArgs& a = p.ranks[i];
-            fill_rank(a, d);
-            fill_combine_payload(a, d);
-            a.recv_gbl_rank_prefix_sum = data_of<int>(d.recv_gbl_rank_prefix_sum);
-            a.recv_gbl_channel_offset = data_of<int>(d.recv_gbl_channel_offset);
-            a.recv_rdma_rank_prefix_sum = data_of<int>(d.recv_rdma_rank_prefix_sum);
-            a.recv_rdma_channel_offset = data_of<int>(d.recv_rdma_channel_offset);
-            a.send_nvl_head = data_of<int>(d.send_nvl_head);
-            a.send_rdma_head = data_of<int>(d.send_rdma_head);
-        }
+        for (size_t i = 0; i < ranks.size(); ++i) fill_rank(p.ranks[i], ranks[i]);
         check_cuda(ep::launch_internode_combine(p, backend_, payload, stream_.get()), "internode combine");
     }
 
@@ -301,9 +238,10 @@ class InternodeRuntime : public RuntimeCore {
         check_fits("NVLink buffer", p.layout.nvl.total, nvl_bytes_);
     }
 
-    // What every rank's arguments have: its place in the world, the regions it reaches, its tokens.
-    template <typename RankArgs>
-    void fill_rank(RankArgs& a, const RankTokens& d) const {
+    // A rank's arguments as bound, then its place in the world and the regions it reaches.
+    template <typename Rank>
+    void fill_rank(typename Rank::KernelArgs& a, const Rank& d) const {
+        a = d.kernel;
         const int rank = d.rank;
         check_launch_rank(rank);
         a.peers = ep::InternodePeers{};
@@ -313,10 +251,9 @@ class InternodeRuntime : public RuntimeCore {
         a.peers.gpus = gpus_;
         for (int m = 0; m < nodes_; ++m) a.peers.rdma[m] = rdma_.at(m * gpus_ + a.peers.gpu);
         for (int j = 0; j < gpus_; ++j) a.peers.nvl[j] = nvl_.at(a.peers.node * gpus_ + j);
-        a.num_tokens = d.num_tokens;
     }
 
-    // The op's channels and rings for its rows (ep_internode.h's validate_internode).
+    // The op's channels and rings for its rows (params/internode_layout.h's validate_internode).
     template <typename Op>
     void validate(const Op& op, int local_experts) const {
         const char* error =

@@ -2,8 +2,9 @@
 // process addresses it (one rank per process, its peers' regions mapped through CUDA IPC, or shared
 // memory on the CPU emulation; or every rank emulated in one process; NvshmemLowLatencyRuntime: the
 // region in NVSHMEM's symmetric heap, for peers on other machines), checks the sizes and fills the
-// kernels' parameter block (ep_low_latency.h) from the typed arguments bound here (op_args.h). Which
-// half an op uses, its number and the hook rule are kept by the Python engine (kernels_cuda/low_latency.py).
+// kernels' parameter block (params/low_latency.h) from the typed arguments bound here (op_args.h,
+// rank_args.h). Which half an op uses, its number and the hook rule are kept by the Python engine
+// (kernels_cuda/low_latency.py).
 #include "low_latency_runtime.h"
 
 #include <cuda_runtime.h>
@@ -12,8 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "../ep_low_latency.h"
+#include "params/low_latency.h"
 #include "op_args.h"
+#include "rank_args.h"
 #include "region_runtime.h"
 #include "runtime_common.h"
 #include "cuda_check.h"
@@ -22,26 +24,12 @@
 
 namespace {
 
-// What a rank's dispatch and combine both take: its tokens and routing, and the handle's tensors.
-struct LowLatencyRank : RankTokens {
-    at::Tensor x;
-    at::Tensor topk_idx;
-    at::Tensor src_info;
-    at::Tensor layout_range;
-};
-struct LowLatencyDispatchRank : LowLatencyRank {
-    at::Tensor packed_x;       // out
-    at::Tensor packed_scales;  // out; None without FP8
-    at::Tensor packed_count;   // out
-    at::Tensor stats;          // cumulative_local_expert_recv_stats, or None
-};
-struct LowLatencyCombineRank : LowLatencyRank {
-    at::Tensor topk_weights;
-    at::Tensor combined_x;  // out
-};
+// Dispatch and combine take the same kernel struct, each its own fields of it (two Python classes).
+struct LowLatencyDispatchRank : RankArgs<ep::LowLatencyRankArgs> {};
+struct LowLatencyCombineRank : RankArgs<ep::LowLatencyRankArgs> {};
 
 // Sizes and the op's half and number (kept by kernels_cuda/low_latency.py); the phases are the call's.
-struct LowLatencyOp {
+struct LowLatencySettings {
     int num_experts = 0;
     int num_topk = 0;
     int hidden = 0;
@@ -50,53 +38,56 @@ struct LowLatencyOp {
     int seq = 0;
     int num_blocks = 0;
     int64_t timeout_cycles = 0;
+
+    template <typename T>
+    static void bind(ArgClass<T>& c) {
+        using S = LowLatencySettings;
+        c.value("num_experts", &S::num_experts).value("num_topk", &S::num_topk).value("hidden", &S::hidden);
+        c.value("max_tokens", &S::max_tokens).value("half", &S::half).value("seq", &S::seq);
+        c.value("num_blocks", &S::num_blocks).value("timeout_cycles", &S::timeout_cycles);
+    }
 };
-struct LowLatencyDispatchOp : LowLatencyOp {
+
+// How a dispatch casts its rows (FP8 or not, and the scales' form).
+struct LowLatencyCast {
     bool use_fp8 = false;
     bool round_scale = false;
     bool use_ue8m0 = false;
-};
 
+    template <typename T>
+    static void bind(ArgClass<T>& c) {
+        c.value("use_fp8", &LowLatencyCast::use_fp8);
+        c.value("round_scale", &LowLatencyCast::round_scale).value("use_ue8m0", &LowLatencyCast::use_ue8m0);
+    }
+};
+using LowLatencyOp = OpArgs<LowLatencySettings>;
+using LowLatencyDispatchOp = OpArgs<LowLatencySettings, LowLatencyCast>;
+
+// What a rank's dispatch and combine both take: its tokens and routing, and the handle's tensors.
 template <typename T>
 void bind_low_latency_rank(ArgClass<T>& c) {
+    using K = ep::LowLatencyRankArgs;
     bind_rank_tokens(c);
-    c.tensor("x", &LowLatencyRank::x)
-        .tensor("topk_idx", &LowLatencyRank::topk_idx)
-        .tensor("src_info", &LowLatencyRank::src_info)
-        .tensor("layout_range", &LowLatencyRank::layout_range);
-}
-
-template <typename T>
-void bind_low_latency_op(ArgClass<T>& c) {
-    using S = LowLatencyOp;
-    c.value("num_experts", &S::num_experts)
-        .value("num_topk", &S::num_topk)
-        .value("hidden", &S::hidden)
-        .value("max_tokens", &S::max_tokens)
-        .value("half", &S::half)
-        .value("seq", &S::seq)
-        .value("num_blocks", &S::num_blocks)
-        .value("timeout_cycles", &S::timeout_cycles);
+    c.tensor("x", &K::x)
+        .tensor("topk_idx", &K::topk_idx)
+        .tensor("src_info", &K::src_info)
+        .tensor("layout_range", &K::layout_range);
 }
 
 void register_low_latency_args(py::module_& m) {
     ArgClass<LowLatencyDispatchRank> dispatch(m, "LowLatencyDispatchRank");
     bind_low_latency_rank(dispatch);
-    dispatch.tensor("packed_x", &LowLatencyDispatchRank::packed_x)
-        .optional_tensor("packed_scales", &LowLatencyDispatchRank::packed_scales)
-        .tensor("packed_count", &LowLatencyDispatchRank::packed_count)
-        .optional_tensor("stats", &LowLatencyDispatchRank::stats);
+    using K = ep::LowLatencyRankArgs;
+    dispatch.tensor("packed_x", &K::packed_x)                 // out
+        .optional_tensor("packed_scales", &K::packed_scales)  // out; None without FP8
+        .tensor("packed_count", &K::packed_count)             // out
+        .optional_tensor("stats", &K::stats);                 // cumulative_local_expert_recv_stats, or None
     ArgClass<LowLatencyCombineRank> combine(m, "LowLatencyCombineRank");
     bind_low_latency_rank(combine);
-    combine.tensor("topk_weights", &LowLatencyCombineRank::topk_weights)
-        .tensor("combined_x", &LowLatencyCombineRank::combined_x);
-    ArgClass<LowLatencyOp> op(m, "LowLatencyOp");
-    bind_low_latency_op(op);
-    ArgClass<LowLatencyDispatchOp> dispatch_op(m, "LowLatencyDispatchOp");
-    bind_low_latency_op(dispatch_op);
-    dispatch_op.value("use_fp8", &LowLatencyDispatchOp::use_fp8)
-        .value("round_scale", &LowLatencyDispatchOp::round_scale)
-        .value("use_ue8m0", &LowLatencyDispatchOp::use_ue8m0);
+    combine.tensor("topk_weights", &K::topk_weights)
+        .tensor("combined_x", &K::combined_x);  // out
+    LowLatencyOp::bind(m, "LowLatencyOp");
+    LowLatencyDispatchOp::bind(m, "LowLatencyDispatchOp");
 }
 
 class LowLatencyRuntime : public RegionRuntime {
@@ -136,25 +127,11 @@ class LowLatencyRuntime : public RegionRuntime {
         p.round_scale = op.round_scale;
         p.use_ue8m0 = op.use_ue8m0;
         TORCH_CHECK(!p.use_fp8 || p.hidden % 128 == 0, "kernels_cuda: FP8 needs the hidden size to be a multiple of 128");
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const LowLatencyDispatchRank& d = ranks[i];
-            ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.packed_x = data_of<void>(d.packed_x);
-            a.packed_scales = data_of<void>(d.packed_scales);
-            a.packed_count = data_of<int>(d.packed_count);
-            a.stats = data_of<int>(d.stats);
-        }
         check_cuda(ep::launch_low_latency_dispatch(p, backend_, stream_.get()), "low_latency_dispatch");
     }
 
     void combine(const std::vector<LowLatencyCombineRank>& ranks, const LowLatencyOp& op, int phases) {
         ep::LowLatencyParams p = params(ranks, op, phases);
-        for (size_t i = 0; i < ranks.size(); ++i) {
-            const LowLatencyCombineRank& d = ranks[i];
-            ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.topk_weights = data_of<float>(d.topk_weights);
-            a.combined_x = data_of<void>(d.combined_x);
-        }
         check_cuda(ep::launch_low_latency_combine(p, backend_, stream_.get()), "low_latency_combine");
     }
 
@@ -176,10 +153,10 @@ class LowLatencyRuntime : public RegionRuntime {
         return l;
     }
 
-    // What dispatch and combine share: sizes, the op's half, number and phases, and per rank its
-    // tokens, routing, the handle tensors and every rank's region as this process sees it.
+    // What dispatch and combine share: sizes, the op's half, number and phases; per rank its arguments
+    // as bound, and every rank's region as this process sees it.
     template <typename Rank>
-    ep::LowLatencyParams params(const std::vector<Rank>& ranks, const LowLatencyOp& op, int phases) const {
+    ep::LowLatencyParams params(const std::vector<Rank>& ranks, const LowLatencySettings& op, int phases) const {
         ep::LowLatencyParams p{};
         fill_launch(p, ranks.size(), op.num_blocks, op.timeout_cycles);
         p.num_ranks = world_size_;
@@ -196,18 +173,11 @@ class LowLatencyRuntime : public RegionRuntime {
                     "kernels_cuda: bad low-latency op (half, seq or phases)");
         p.layout = checked_layout(p.num_experts, p.max_tokens, p.hidden);
         for (size_t i = 0; i < ranks.size(); ++i) {
-            const LowLatencyRank& d = ranks[i];
-            ep::LowLatencyRankArgs& a = p.ranks[i];
-            a.rank = d.rank;
-            a.num_tokens = d.num_tokens;
+            ep::LowLatencyRankArgs& a = p.ranks[i] = ranks[i].kernel;
             check_launch_rank(a.rank);
             TORCH_CHECK(a.num_tokens >= 0 && a.num_tokens <= p.max_tokens, "kernels_cuda: rank ", a.rank, " has ",
                         a.num_tokens, " tokens, more than num_max_dispatch_tokens_per_rank=", p.max_tokens);
             for (int r = 0; r < world_size_; ++r) a.peers[r] = regions_.at(r);
-            a.x = data_of<void>(d.x);
-            a.topk_idx = data_of<int64_t>(d.topk_idx);
-            a.src_info = data_of<int>(d.src_info);
-            a.layout_range = data_of<int64_t>(d.layout_range);
         }
         return p;
     }

@@ -14,7 +14,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "../ep_constants.h"
+#include "params/constants.h"
 #include "nvshmem_world.h"
 
 namespace ep::nvshmem_world {

@@ -1,5 +1,5 @@
 // This process's NVSHMEM world for the internode kernels' NVSHMEM back end (one EP rank per process,
-// PE = EP rank = node * gpus_per_node + gpu, as RdmaTransport<kNvshmem> in ../ep_rdma.cuh assumes).
+// PE = EP rank = node * gpus_per_node + gpu, as RdmaTransport<kNvshmem> in ../device/rdma.cuh assumes).
 // Plain C++ signatures, so the torch host code can call them; defined in nvshmem_world.cu, which nvcc
 // compiles with relocatable device code: NVSHMEM's initialisation must be linked into the same
 // device-linked image as the kernels that use it. Built only with EP_WITH_NVSHMEM. Errors throw

@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "../ep_diag.h"
-#include "../ep_params.h"
+#include "params/diag.h"
+#include "params/intranode.h"
 #include "device_api.h"
 #include "cuda_check.h"
 

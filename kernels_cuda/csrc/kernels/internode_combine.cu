@@ -19,12 +19,12 @@
 // releases each node's head lazily (by rdma_chunk) as the minimum over unretired receivers.
 #include <climits>
 
-#include "../ep_internode_params.h"
-#include "../ep_launch.cuh"
-#include "../ep_rdma.cuh"
-#include "../ep_ring.cuh"
-#include "../ep_transport.cuh"
-#include "../ep_vec.cuh"
+#include "params/internode.h"
+#include "device/launch.cuh"
+#include "device/rdma.cuh"
+#include "device/ring.cuh"
+#include "device/transport.cuh"
+#include "device/vec.cuh"
 
 namespace ep {
 

@@ -23,11 +23,11 @@
 // (n, g): recv_gbl_rank_prefix_sum + channel start + arrival index, with local expert ids.
 #include <climits>
 
-#include "../ep_internode_params.h"
-#include "../ep_launch.cuh"
-#include "../ep_rdma.cuh"
-#include "../ep_ring.cuh"
-#include "../ep_transport.cuh"
+#include "params/internode.h"
+#include "device/launch.cuh"
+#include "device/rdma.cuh"
+#include "device/ring.cuh"
+#include "device/transport.cuh"
 
 namespace ep {
 

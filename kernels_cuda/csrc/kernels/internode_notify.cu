@@ -13,11 +13,11 @@
 // Blocks 1..N (destination node m): per channel, this rank's tokens to node m and to each of its
 // GPUs, prefix-summed over channels.
 // internode_cached_notify: block 0 barriers, zeroes, barriers; the others rewrite send_rdma_head and
-// send_nvl_head for combine (ep_heads.cuh).
-#include "../ep_heads.cuh"
-#include "../ep_internode_params.h"
-#include "../ep_internode_sync.cuh"
-#include "../ep_launch.cuh"
+// send_nvl_head for combine (device/heads.cuh).
+#include "device/heads.cuh"
+#include "params/internode.h"
+#include "device/internode_sync.cuh"
+#include "device/launch.cuh"
 
 namespace ep {
 

@@ -8,11 +8,11 @@
 //     after the cached notify), announces it, waits for the data if present, then the warp sums.
 #include <climits>
 
-#include "../ep_launch.cuh"
-#include "../ep_params.h"
-#include "../ep_ring.cuh"
-#include "../ep_transport.cuh"
-#include "../ep_vec.cuh"
+#include "device/launch.cuh"
+#include "params/intranode.h"
+#include "device/ring.cuh"
+#include "device/transport.cuh"
+#include "device/vec.cuh"
 
 namespace ep {
 

@@ -7,10 +7,10 @@
 //   receiver group for source s: waits for s's [start, end), then repeatedly takes the tail, copies
 //     the records to rows block(s) + start + index (so rows are ordered by source rank, then token),
 //     rewrites top-k ids to local expert ids (-1 elsewhere, weight 0) and publishes the head.
-#include "../ep_launch.cuh"
-#include "../ep_params.h"
-#include "../ep_ring.cuh"
-#include "../ep_transport.cuh"
+#include "device/launch.cuh"
+#include "params/intranode.h"
+#include "device/ring.cuh"
+#include "device/transport.cuh"
 
 namespace ep {
 

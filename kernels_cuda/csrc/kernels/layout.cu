@@ -2,9 +2,9 @@
 // Blocks are of three kinds, each counting kLayoutUnitsPerBlock consecutive units (experts, ranks
 // or nodes) over all tokens in shared memory; rank blocks also write their columns of
 // is_token_in_rank.
-#include "../ep_launch.cuh"
-#include "../ep_params.h"
-#include "../ep_ptx.cuh"
+#include "device/launch.cuh"
+#include "params/intranode.h"
+#include "device/ptx.cuh"
 
 namespace ep {
 

@@ -7,9 +7,9 @@
 //     expert flags every rank, with or without rows.
 //   receive phase: each block waits for all E flags, then its warps take tokens: out[t] =
 //     sum over k of w[t][k] * row(expert k, t), in fp32, in k order, rounded once to bfloat16.
-#include "../ep_launch.cuh"
-#include "../ep_low_latency.cuh"
-#include "../ep_vec.cuh"
+#include "device/launch.cuh"
+#include "device/low_latency.cuh"
+#include "device/vec.cuh"
 
 namespace ep {
 

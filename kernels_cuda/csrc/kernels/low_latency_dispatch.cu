@@ -12,8 +12,8 @@
 //     an atomic on packed_recv_count, writes layout_range and unpacks rows, scales (column-major;
 //     UE8M0 packs the exponent bytes) and source indices. Rows of a source land in slot order, the
 //     sources in arrival order.
-#include "../ep_launch.cuh"
-#include "../ep_low_latency.cuh"
+#include "device/launch.cuh"
+#include "device/low_latency.cuh"
 
 namespace ep {
 

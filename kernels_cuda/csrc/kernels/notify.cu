@@ -7,10 +7,10 @@
 //   cached dispatch and before combine); the other blocks rewrite send_head for combine: every -1
 //   becomes -(next present slot)-1, the channel's count past the last present token, so that a
 //   combine reducer can advance its head over tokens absent from a ring without waiting.
-#include "../ep_heads.cuh"
-#include "../ep_launch.cuh"
-#include "../ep_params.h"
-#include "../ep_sync.cuh"
+#include "device/heads.cuh"
+#include "device/launch.cuh"
+#include "params/intranode.h"
+#include "device/sync.cuh"
 
 namespace ep {
 

@@ -16,9 +16,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "ep_config.h"
-#include "ep_diag.h"
-#include "ep_params.h"
+#include "params/config.h"
+#include "params/diag.h"
+#include "params/intranode.h"
 
 namespace ep {
 

@@ -4,7 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include "ep_params.h"
+#include "params/intranode.h"
 
 namespace ep {
 

@@ -7,9 +7,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "ep_diag.h"
-#include "ep_internode.h"
-#include "ep_params.h"
+#include "params/diag.h"
+#include "params/internode_layout.h"
+#include "params/intranode.h"
 
 namespace ep {
 

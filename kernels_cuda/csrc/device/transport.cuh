@@ -6,13 +6,13 @@
 //            channel (data and tail travel together, heads on their own words),
 //   quiet  = a fence at the back end's scope.
 // NVSHMEM is not a back end of this transport: it carries only the internode kernels' RDMA hop
-// (RdmaTransport<kNvshmem> in ep_rdma.cuh); their NVLink hop uses Transport<kNvlink>.
+// (RdmaTransport<kNvshmem> in device/rdma.cuh); their NVLink hop uses Transport<kNvlink>.
 #pragma once
 #include <cstdint>
 
-#include "ep_constants.h"
-#include "ep_params.h"
-#include "ep_ptx.cuh"
+#include "params/constants.h"
+#include "params/intranode.h"
+#include "device/ptx.cuh"
 
 namespace ep {
 

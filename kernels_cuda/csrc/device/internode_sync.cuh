@@ -1,13 +1,13 @@
 // Barriers of the internode kernels: over the rail group (RDMA transport, by node) and over the GPUs
-// of the node (NVLink transport, by GPU). Same counting scheme as rank_barrier (ep_sync.cuh): word
+// of the node (NVLink transport, by GPU). Same counting scheme as rank_barrier (device/sync.cuh): word
 // [i] of a member counts its arrivals minus member i's; a member adds 1 to its own word [i] and
 // subtracts 1 from i's word [me], then waits until all its words are <= 0. Whole block; the words
 // are never reset.
 #pragma once
-#include "ep_diag.cuh"
-#include "ep_internode.h"
-#include "ep_rdma.cuh"
-#include "ep_transport.cuh"
+#include "device/diag.cuh"
+#include "params/internode_layout.h"
+#include "device/rdma.cuh"
+#include "device/transport.cuh"
 
 namespace ep {
 

@@ -1,5 +1,5 @@
 // RDMA transport of the internode kernels: the hop between rail peers (same GPU index, other node).
-// Same contract as ep_transport.cuh, addressed by node:
+// Same contract as device/transport.cuh, addressed by node:
 //   put_warp(node, dst, src, n)  the warp copies n int4 from local memory to `dst` in the node's region;
 //   signal_add(node, word, v)    atomic add, ordered after every earlier put of the calling warp to that
 //                                node (RDMA: same QP; here: fence, warp sync, release atomic), so a
@@ -14,8 +14,8 @@
 #pragma once
 #include <cstdint>
 
-#include "ep_internode_params.h"
-#include "ep_ptx.cuh"
+#include "params/internode.h"
+#include "device/ptx.cuh"
 
 #if defined(EP_WITH_NVSHMEM)
 #include <nvshmem.h>

@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "ep_diag.h"
-#include "ep_ptx.cuh"
+#include "params/diag.h"
+#include "device/ptx.cuh"
 
 namespace ep {
 

@@ -7,11 +7,11 @@
 
 #include <cstdint>
 
-#include "ep_diag.cuh"
-#include "ep_low_latency.h"
-#include "ep_ptx.cuh"
-#include "ep_ring.cuh"
-#include "ep_transport.cuh"
+#include "device/diag.cuh"
+#include "params/low_latency.h"
+#include "device/ptx.cuh"
+#include "device/ring.cuh"
+#include "device/transport.cuh"
 
 #if defined(EP_WITH_NVSHMEM)
 #include <nvshmem.h>

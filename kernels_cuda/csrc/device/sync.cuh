@@ -1,8 +1,8 @@
 // Cross-rank barrier and ring-metadata clean-up, shared by the notify kernels.
 #pragma once
-#include "ep_config.h"
-#include "ep_diag.cuh"
-#include "ep_transport.cuh"
+#include "params/config.h"
+#include "device/diag.cuh"
+#include "device/transport.cuh"
 
 namespace ep {
 

@@ -7,8 +7,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "ep_config.h"
-#include "ep_diag.h"
+#include "params/config.h"
+#include "params/diag.h"
 
 namespace ep {
 

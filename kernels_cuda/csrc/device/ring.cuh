@@ -4,8 +4,8 @@
 //   consumer: acquire-load the tail (local), read the records, then release-store the head in
 //             the producer. Counts (channel start/end) arrive first, -v-1 encoded.
 #pragma once
-#include "ep_diag.cuh"
-#include "ep_ptx.cuh"
+#include "device/diag.cuh"
+#include "device/ptx.cuh"
 
 namespace ep {
 

@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "ep_config.h"
+#include "params/config.h"
 
 namespace ep {
 

@@ -1,11 +1,11 @@
 // Intranode and internode configurations, their validation (the deadlock-freedom conditions), the
 // ring record formats and the layout of the intranode per-rank buffer (the internode regions are in
-// ep_internode.h). Plain C++ usable from host code, device code and the host-only probe
+// params/internode_layout.h). Plain C++ usable from host code, device code and the host-only probe
 // (host/config_probe.cpp) that the CPU tests compare with the Python mirror, kernels_cuda/config.py.
 #pragma once
 #include <cstdint>
 
-#include "ep_constants.h"
+#include "params/constants.h"
 
 #if defined(__CUDACC__)
 #define EP_HD __host__ __device__ __forceinline__
@@ -36,8 +36,8 @@ EP_HD void channel_range(int num_tokens, int num_channels, int channel, int* beg
 }
 
 // One ring record. Dispatch: payload | FP8 scales | source meta | top-k ids (int32, global) | top-k
-// weights, where the meta is the source token index (intranode; internode adds more, ep_internode.h).
-// Combine: payload | top-k weights. Each part is 4-byte aligned, the record 16.
+// weights, where the meta is the source token index (intranode; internode adds more:
+// params/internode_layout.h). Combine: payload | top-k weights. Each part is 4-byte aligned, the record 16.
 struct RecordLayout {
     int scales_offset;
     int src_offset;

@@ -7,7 +7,7 @@
 #include <climits>
 #include <cstdint>
 
-#include "ep_ptx.cuh"
+#include "device/ptx.cuh"
 
 namespace ep {
 
