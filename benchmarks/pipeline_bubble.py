@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.pipeline import SCHEDULES, Costs, LoweredSchedule, plan
+from parallel.pipeline import SCHEDULES, Costs, LoweredSchedule, build, validate
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.timeline import simulate
 from parallel.pipeline.wgrad import WeightGradStore
@@ -109,7 +109,7 @@ def _measured_costs(lowered: LoweredSchedule, spans: list[tuple], unit_s: float,
 
 def _run_schedule(name: str, ranks: int, microbatches: int, costs: Costs, unit_s: float) -> dict:
     rank = dist.get_rank()
-    lowered = plan(name, ranks, microbatches, costs=costs)
+    lowered = validate(build(name, ranks, microbatches, costs=costs), costs)
     num_stages = lowered.schedule.num_stages
     clock, store = Clock(unit_s), WeightGradStore()
     stages = {s: SleepStage(s == 0, s == num_stages - 1, clock, costs, store)

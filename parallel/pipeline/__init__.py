@@ -1,6 +1,9 @@
 """Pipeline parallelism: schedule IR, builders, lowering, validators, simulator, runtime.
 
-The runtime gets its per-rank programs from ``plan(name, ranks, microbatches)``; the simulator
+The runtime gets its per-rank programs from ``validate(build(name, ranks, microbatches), costs)``: a
+schedule's compute-only programs, checked by every validator and lowered with its communication
+(``costs``, default unit costs, shape both cost-driven builders and where communication is placed;
+any positive costs give a deadlock-free lowering). The simulator
 is ``parallel.pipeline.timeline.simulate`` and its command line ``python -m
 parallel.pipeline.simulate``.
 """
@@ -16,7 +19,6 @@ from .ir import (
     Step,
 )
 from .lowering import lower
-from .plan import plan
 from .timeline import Costs, Timeline
 from .validate import validate
 
@@ -34,6 +36,5 @@ __all__ = [
     "Timeline",
     "build",
     "lower",
-    "plan",
     "validate",
 ]

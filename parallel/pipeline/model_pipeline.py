@@ -21,14 +21,15 @@ from parallel.dispatch.handles import OverlapSwitch
 from parallel.mixed_precision import zero_grad_buffers
 from parallel.topology import Topology, group_ranks
 
+from .builders import build
 from .grad_ready import GradientReadiness, release_positions, split_weights
 from .ir import Action, LoweredSchedule
 from .overlap import FBOverlap
-from .plan import plan
 from .replicas import PipelineReplicas
 from .runtime import PipelineRuntime
 from .stage import MicroBatch, StageSpec, build_stages, stage_specs
 from .timeline import Costs
+from .validate import validate
 from .wgrad import WeightGradStore
 
 
@@ -38,7 +39,7 @@ def pipeline_plan(args: ModelArgs, pp: int, schedule: str, microbatches: int, vi
                   memory_limit: Optional[float] = None) -> tuple[LoweredSchedule, list[StageSpec]]:
     """The lowered schedule and the stage cut; ValueError names what does not fit. `costs` and
     `memory_limit` feed the cost-driven builders (zb-auto's search)."""
-    lowered = plan(schedule, pp, microbatches, virtual_stages, costs, memory_limit)
+    lowered = validate(build(schedule, pp, microbatches, virtual_stages, costs, memory_limit), costs)
     specs = stage_specs(args, lowered.schedule.num_stages, layout, first_stage_layers, last_stage_layers)
     return lowered, specs
 

@@ -12,7 +12,7 @@ import torch
 from model.args import ModelArgs
 from model.init import initialize_parameters
 from model.transformer import DeepSeekV3
-from parallel.pipeline import plan
+from parallel.pipeline import build, validate
 from parallel.pipeline.replicas import PipelineReplicas
 from parallel.pipeline.runtime import PipelineRuntime
 from parallel.pipeline.stage import MicroBatch, ModelStage, build_stages, stage_specs
@@ -51,7 +51,7 @@ def pipeline_matches_reference(schedule: str, microbatches: int, virtual_stages,
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
     args = ModelArgs(num_layers=num_layers)
-    lowered = plan(schedule, ranks, microbatches, virtual_stages)
+    lowered = validate(build(schedule, ranks, microbatches, virtual_stages))
     placement = lowered.schedule.placement
     specs = stage_specs(args, placement.num_stages, layout)
     store = WeightGradStore()

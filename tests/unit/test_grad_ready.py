@@ -10,7 +10,7 @@ import torch
 
 from model.args import ModelArgs
 from model.init import initialize_parameters
-from parallel.pipeline import plan
+from parallel.pipeline import build, validate
 from parallel.pipeline.grad_ready import GradientReadiness, release_positions, split_weights
 from parallel.pipeline.ir import Action
 from parallel.pipeline.replicas import release_order
@@ -25,7 +25,7 @@ MICROBATCHES, BATCH, SEQ = 3, 1, 8
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
 def test_parameters_are_released_with_their_final_gradient(schedule):
-    lowered = plan(schedule, 1, MICROBATCHES)
+    lowered = validate(build(schedule, 1, MICROBATCHES))
     placement = lowered.schedule.placement
     store = WeightGradStore()
     model, stages = build_stages(ARGS, stage_specs(ARGS, placement.num_stages), placement.stages_on(0), store)
@@ -71,7 +71,7 @@ def test_dualpipe_release_order_waits_for_no_parameter(pp):
     """Released in the pair's common order, a mirrored parameter goes no later (in program steps)
     than the later of the points where the two members finish it; the model's order would hold
     parameters back (every one waits for the embedding)."""
-    lowered = plan("dualpipe", pp, 8)
+    lowered = validate(build("dualpipe", pp, 8))
     placement = lowered.schedule.placement
     specs = stage_specs(ARGS, placement.num_stages)
     for rank in range(pp // 2):

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from parallel.pipeline import SCHEDULES, ActionKind, CommBatch, Costs, build, plan, validate
+from parallel.pipeline import SCHEDULES, ActionKind, CommBatch, Costs, build, validate
 
 UNEVEN = Costs(f=1.0, b=1.2, w=0.8, fb=2.5, comm=0.3)
 
@@ -147,7 +147,7 @@ def test_interleaved_walks_chunks_in_groups_of_ranks():
 
 
 def test_plan_returns_lowered_programs_with_batched_communication():
-    lowered = plan("1f1b", 3, 4)
+    lowered = validate(build("1f1b", 3, 4))
     assert lowered.schedule.name == "1f1b"
     middle = lowered.programs[1]
     batches = [s for s in middle if isinstance(s, CommBatch)]
