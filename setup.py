@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 # The CUDA build hook is loaded by path: importing the kernels_cuda package would import torch,
 # which pip's build isolation may not have. It builds only with CUDA torch + nvcc, or when
 # MOE_TRAIN_BUILD_CUDA=1 (then install with --no-build-isolation).
-_spec = importlib.util.spec_from_file_location("kernels_cuda_build", Path(__file__).parent / "kernels_cuda" / "build.py")
+_spec = importlib.util.spec_from_file_location("kernels_cuda_build", Path(__file__).parent / "kernels_cuda" / "build_cuda.py")
 _cuda_build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_cuda_build)
 

@@ -2,7 +2,7 @@
 NVSHMEM back end when NVSHMEM is found.
 
 Needs nvcc, a host C++ compiler and torch (any build; no GPU). nvcc sees the flags torch's build
-gives it (torch's COMMON_NVCC_FLAGS, then kernels_cuda/build.py's). Passes:
+gives it (torch's COMMON_NVCC_FLAGS, then kernels_cuda/build_cuda.py's). Passes:
 - device: every kernel source for sm_90; prints registers, shared memory, stack and spills per kernel
   from `ptxas -v`;
 - host: `g++ -fsyntax-only` of the host C++ sources against the headers of torch, Python and the CUDA
@@ -31,8 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernels_cuda import build
-from kernels_cuda.build import ARCH_FLAGS, CSRC, CUDA_SOURCES, DEVICE_ONLY_FLAGS, NVCC_FLAGS, find_nvcc
+from kernels_cuda import build_cuda
+from kernels_cuda.build_cuda import ARCH_FLAGS, CSRC, CUDA_SOURCES, DEVICE_ONLY_FLAGS, NVCC_FLAGS, find_nvcc
 
 PASSES = ("device", "host", "nvshmem")
 NVSHMEM_NOT_FOUND = "skipped: NVSHMEM not found (pip install nvidia-nvshmem-cu13 or set NVSHMEM_HOME)"
@@ -180,9 +180,9 @@ def host_check_command(cxx: str, source: Path, toolkit: Toolkit, torch_includes:
                        nvshmem_root: Path | None = None) -> list[str]:
     """Syntax check of one host source with the headers and defines of the extension build."""
     includes = [*([shim] if shim else []), *torch_includes, sysconfig.get_paths()["include"], *toolkit.include_dirs]
-    nvshmem = build.nvshmem_flags(nvshmem_root)["cxx"] if nvshmem_root else []
+    nvshmem = build_cuda.nvshmem_flags(nvshmem_root)["cxx"] if nvshmem_root else []
     return [cxx, HOST_STD, "-fsyntax-only", "-DTORCH_EXTENSION_NAME=_C", *(f"-I{d}" for d in includes),
-            *(f"-isystem{d}" for d in toolkit.system_include_dirs), *build.CXX_FLAGS, *nvshmem, str(source)]
+            *(f"-isystem{d}" for d in toolkit.system_include_dirs), *build_cuda.CXX_FLAGS, *nvshmem, str(source)]
 
 
 def run_step(label: str, cmd: list[str]) -> StepReport:
@@ -200,7 +200,7 @@ def torch_nvcc_flags() -> list[str]:
 
 
 def nvcc_flags(extra: list[str]) -> list[str]:
-    """torch's flags, then the build's (build.py), then `extra`: the order of torch's nvcc command lines."""
+    """torch's flags, then the build's (build_cuda.py), then `extra`: the order of torch's nvcc command lines."""
     return [*DEVICE_ONLY_FLAGS, *torch_nvcc_flags(), *NVCC_FLAGS, *ARCH_FLAGS, *extra]
 
 
@@ -214,9 +214,9 @@ def compile_source(nvcc: str, source: Path, obj: Path, flags: list[str]) -> Sour
 
 
 def link_nvshmem(nvcc: str, cxx: str, objects: list[Path], root: Path, toolkit: Toolkit, out: Path) -> list[StepReport]:
-    """Device link as torch's build runs it (build.nvshmem_flags), then a shared object that must resolve
+    """Device link as torch's build runs it (build_cuda.nvshmem_flags), then a shared object that must resolve
     every host symbol (NVSHMEM initialisation included) against NVSHMEM's libraries and cudart."""
-    flags = build.nvshmem_flags(root)
+    flags = build_cuda.nvshmem_flags(root)
     dlink = out / "dlink.o"
     steps = [run_step("device link (-lnvshmem_device)",
                       [nvcc, *map(str, objects), "-o", str(dlink), *flags["nvcc_dlink"], *PIC])]
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if nvcc is None:
         print("compile_check: nvcc not found (set CUDA_HOME or PATH)", file=sys.stderr)
         return 2
-    nvshmem_root = build.find_nvshmem() if "nvshmem" in passes else None
+    nvshmem_root = build_cuda.find_nvshmem() if "nvshmem" in passes else None
     toolkit = cuda_toolkit(nvcc)
     start = time.monotonic()
     failures: list[str] = []
@@ -296,14 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         def host_checks(root: Path | None) -> list[tuple[str, Future[StepReport]]]:
             suffix = " (-DEP_WITH_NVSHMEM)" if root else ""
             return [(s.name + suffix, pool.submit(run_step, s.name + suffix, host_check_command(
-                args.cxx, s, toolkit, torch_includes, shim, root))) for s in build.HOST_SOURCES]
+                args.cxx, s, toolkit, torch_includes, shim, root))) for s in build_cuda.HOST_SOURCES]
 
         device_flags = nvcc_flags([])
         device = [pool.submit(compile_source, nvcc, s, tmp / "device" / f"{s.stem}.o", device_flags)
                   for s in CUDA_SOURCES] if "device" in passes else []
         host = host_checks(None) if "host" in passes else []
-        nvshmem_sources = [*build.NVSHMEM_KERNEL_SOURCES, *build.NVSHMEM_SOURCES] if nvshmem_root else []
-        nvshmem_flags = nvcc_flags([*build.nvshmem_flags(nvshmem_root)["nvcc"], *PIC]) if nvshmem_root else []
+        nvshmem_sources = [*build_cuda.NVSHMEM_KERNEL_SOURCES, *build_cuda.NVSHMEM_SOURCES] if nvshmem_root else []
+        nvshmem_flags = nvcc_flags([*build_cuda.nvshmem_flags(nvshmem_root)["nvcc"], *PIC]) if nvshmem_root else []
         nvshmem = [pool.submit(compile_source, nvcc, s, tmp / "nvshmem" / f"{s.stem}.o", nvshmem_flags)
                    for s in nvshmem_sources]
         nvshmem_host = host_checks(nvshmem_root) if nvshmem_root else []
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(-DEP_WITH_NVSHMEM -rdc=true)", flush=True)
             reports = [f.result() for f in nvshmem]
             report_kernels(reports, demangle([k.name for r in reports for k in r.kernels]), failures,
-                           set(build.NVSHMEM_KERNEL_SOURCES), rdc=True)
+                           set(build_cuda.NVSHMEM_KERNEL_SOURCES), rdc=True)
             steps = link_nvshmem(nvcc, args.cxx, [tmp / "nvshmem" / f"{s.stem}.o" for s in nvshmem_sources],
                                  nvshmem_root, toolkit, tmp / "nvshmem") if all(r.ok for r in reports) else []
             report_steps([*steps, *(f.result() for _, f in nvshmem_host)], failures)

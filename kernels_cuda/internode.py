@@ -10,7 +10,7 @@ num_rdma_bytes / num_nvl_bytes).
 - The per-process runtimes: the NVLink hop through CUDA IPC (shared memory on the CPU emulation); the
   RDMA hop the same way when all ranks share one machine (simulated nodes), or through NVSHMEM across
   machines (PE = EP rank, one NVSHMEM world per process; kernels_cuda built with NVSHMEM, see
-  kernels_cuda/build.py). The NVSHMEM path is compiled and linked here (`python -m
+  kernels_cuda/build_cuda.py). The NVSHMEM path is compiled and linked here (`python -m
   kernels_cuda.compile_check`) but has never run: that needs two or more GPU machines.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from kernels_cuda.extensions import KernelsNotBuilt, extension, extension_of
 from kernels_cuda import constants as C
+from kernels_cuda.build_cuda import NVSHMEM_HOW
 from kernels_cuda.config import InternodeConfig
 from kernels_cuda.emulated_calls import EmulatedCalls
 from kernels_cuda.emulation import Schedule, apply_schedule, check_resident, device_sms, resolve_device
@@ -189,8 +190,6 @@ def check_rdma_transport(requested: str, group: Any, ext: Any, device: str) -> s
                          "of one machine, but this group spans machines (or rdma_transport='nvshmem' was asked); "
                          "use dispatcher 'hierarchical'")
     if requested == "nvshmem" and not getattr(ext, "with_nvshmem", False):
-        from kernels_cuda.build import NVSHMEM_HOW  # (not at import: `python -m kernels_cuda.build` runs it)
-
         raise KernelsNotBuilt(
             f"kernels_cuda was built without NVSHMEM; {NVSHMEM_HOW}; or use dispatcher 'hierarchical'")
     return requested

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels_cuda import build, compile_check
+from kernels_cuda import build_cuda, compile_check
 from kernels_cuda.compile_check import (NVSHMEM_NOT_FOUND, TORCH_CUDA_MACROS, TORCH_CUDA_MACROS_SHIM, Toolkit,
                                         host_check_command, parse_nvcc_dryrun, write_torch_shim)
 
@@ -33,9 +33,9 @@ def test_toolkit_directories_come_from_nvcc_dryrun():
                                     "/opt/cuda-13/targets/x86_64-linux/lib")
 
 
-@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.skipif(build_cuda.find_nvcc() is None, reason="nvcc not installed")
 def test_the_installed_nvcc_leads_to_its_toolkit_even_through_a_wrapper():
-    toolkit = compile_check.cuda_toolkit(build.find_nvcc())
+    toolkit = compile_check.cuda_toolkit(build_cuda.find_nvcc())
     assert any((Path(d) / "cuda_runtime.h").is_file() for d in toolkit.include_dirs)
     assert any(list(Path(d).glob("libcudart.so*")) for d in toolkit.library_dirs)
 
@@ -49,12 +49,12 @@ def test_host_check_command_has_the_shim_first_then_torch_python_cuda_and_csrc(t
     assert shim is not None and (shim / TORCH_CUDA_MACROS).read_text() == TORCH_CUDA_MACROS_SHIM
     assert TORCH_CUDA_MACROS_SHIM.count("\n") == 1
     toolkit = Toolkit(("/cuda/include",), ("/cuda/include/cccl",), ("/cuda/lib",))
-    source = build.HOST_SOURCES[0]
+    source = build_cuda.HOST_SOURCES[0]
     cmd = host_check_command("g++", source, toolkit, torch_includes, shim)
     includes = [arg[2:] for arg in cmd if arg.startswith("-I")]
     assert includes[0] == str(shim)
     assert includes[1:3] == [str(d) for d in torch_includes]
-    assert sysconfig.get_paths()["include"] in includes and "/cuda/include" in includes and str(build.CSRC) in includes
+    assert sysconfig.get_paths()["include"] in includes and "/cuda/include" in includes and str(build_cuda.CSRC) in includes
     assert "-isystem/cuda/include/cccl" in cmd
     assert {"-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=_C"} <= set(cmd) and cmd[-1] == str(source)
     assert "-DEP_WITH_NVSHMEM" not in cmd
@@ -79,22 +79,22 @@ def test_nvshmem_home_is_found_and_its_flags_device_link_and_link_the_soname(tmp
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libnvshmem_host.so.3").write_text("")  # the wheel ships only the soname
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
-    assert build.find_nvshmem() == tmp_path
-    flags = build.nvshmem_flags(tmp_path)
+    assert build_cuda.find_nvshmem() == tmp_path
+    flags = build_cuda.nvshmem_flags(tmp_path)
     assert {"-DEP_WITH_NVSHMEM", "-rdc=true", f"-I{tmp_path / 'include'}"} <= set(flags["nvcc"])
     assert "-U__CUDA_NO_HALF_OPERATORS__" in flags["nvcc"]  # nvshmem.h needs what torch's flags switch off
     assert {"-DEP_WITH_NVSHMEM", f"-I{tmp_path / 'include'}"} <= set(flags["cxx"])
     dlink = flags["nvcc_dlink"]
-    assert dlink[0] == "-dlink" and set(build.ARCH_FLAGS) <= set(dlink) and "-lnvshmem_device" in dlink
+    assert dlink[0] == "-dlink" and set(build_cuda.ARCH_FLAGS) <= set(dlink) and "-lnvshmem_device" in dlink
     assert "-dlto" not in dlink
     assert flags["libraries"] == ["nvshmem_device", ":libnvshmem_host.so.3"]
     assert flags["runtime_library_dirs"] == [str(tmp_path / "lib")]
     (tmp_path / "lib" / "libnvshmem_host.so").write_text("")
-    assert build.nvshmem_host_library(tmp_path) == "nvshmem_host"
+    assert build_cuda.nvshmem_host_library(tmp_path) == "nvshmem_host"
 
 
 def test_the_skipped_nvshmem_pass_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(build, "find_nvshmem", lambda: None)
+    monkeypatch.setattr(build_cuda, "find_nvshmem", lambda: None)
     monkeypatch.setattr(compile_check, "cuda_toolkit", lambda nvcc: Toolkit((), (), ()))
     assert compile_check.main(["--passes", "nvshmem", "--nvcc", "nvcc"]) == 0
     out = capsys.readouterr().out
@@ -110,11 +110,11 @@ def test_rdc_kernel_names_are_demangled_with_backend_names():
     assert compile_check.demangle([name]) == {name: "ep::internode_dispatch_kernel<kNvshmem>"}
 
 
-@pytest.mark.skipif(build.find_nvcc() is None or build.find_nvshmem() is None,
+@pytest.mark.skipif(build_cuda.find_nvcc() is None or build_cuda.find_nvshmem() is None,
                     reason="needs nvcc and NVSHMEM (pip install nvidia-nvshmem-cu13)")
 def test_nvshmem_pass_compiles_device_links_and_links_the_back_end():
     proc = subprocess.run([sys.executable, "-m", "kernels_cuda.compile_check", "--passes", "nvshmem", "--jobs", "2"],
-                          capture_output=True, text=True, cwd=Path(build.PACKAGE_DIR).parent, timeout=300)
+                          capture_output=True, text=True, cwd=Path(build_cuda.PACKAGE_DIR).parent, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     for kernel in ("internode_notify_kernel<kNvshmem>", "internode_cached_notify_kernel<kNvshmem>",
@@ -127,5 +127,5 @@ def test_nvshmem_pass_compiles_device_links_and_links_the_back_end():
                  "bindings.cpp (-DEP_WITH_NVSHMEM)", "internode_runtime.cpp (-DEP_WITH_NVSHMEM)",
                  "low_latency_runtime.cpp (-DEP_WITH_NVSHMEM)"):
         assert re.search(re.escape(step) + r"\s+ok\s", out), step
-    sources = len(build.NVSHMEM_KERNEL_SOURCES) + len(build.NVSHMEM_SOURCES)  # internode_*, low_latency_*, world
+    sources = len(build_cuda.NVSHMEM_KERNEL_SOURCES) + len(build_cuda.NVSHMEM_SOURCES)  # internode_*, low_latency_*, world
     assert sources == 6 and re.search(rf"NVSHMEM {sources} sources \d+ kernels, linked; 0 problems", out), out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernels_cuda
-from kernels_cuda import build, constants
+from kernels_cuda import build_cuda, constants
 from kernels_cuda.compile_check import parse_ptxas
 from kernels_cuda.config import Config, InternodeConfig, validate, validate_internode
 
@@ -37,40 +37,40 @@ def test_without_the_cuda_build_status_says_so_and_cuda_buffers_refuse_clearly()
 
 @pytest.mark.skipif(not CPU_TORCH, reason="needs a CPU build of torch")
 def test_build_is_skipped_on_cpu_torch_and_forcing_it_fails_loudly(monkeypatch):
-    monkeypatch.delenv(build.ENV_SWITCH, raising=False)
-    decision, reason = build.build_decision()
+    monkeypatch.delenv(build_cuda.ENV_SWITCH, raising=False)
+    decision, reason = build_cuda.build_decision()
     assert not decision and "not a CUDA build" in reason
-    assert build.cuda_ext_modules() == [] and build.cuda_cmdclass() == {}
-    monkeypatch.setenv(build.ENV_SWITCH, "1")
+    assert build_cuda.cuda_ext_modules() == [] and build_cuda.cuda_cmdclass() == {}
+    monkeypatch.setenv(build_cuda.ENV_SWITCH, "1")
     with pytest.raises(RuntimeError, match="cannot be built"):
-        build.build_decision()
-    monkeypatch.setenv(build.ENV_SWITCH, "0")
-    assert build.build_decision() == (False, f"{build.ENV_SWITCH}=0")
+        build_cuda.build_decision()
+    monkeypatch.setenv(build_cuda.ENV_SWITCH, "0")
+    assert build_cuda.build_decision() == (False, f"{build_cuda.ENV_SWITCH}=0")
 
 
 def test_sources_are_split_into_device_and_host_files():
-    assert {p.name for p in build.CUDA_SOURCES} >= {"layout.cu", "notify.cu", "intranode_dispatch.cu",
+    assert {p.name for p in build_cuda.CUDA_SOURCES} >= {"layout.cu", "notify.cu", "intranode_dispatch.cu",
                                                     "intranode_combine.cu", "internode_notify.cu",
                                                     "internode_dispatch.cu", "internode_combine.cu"}
-    for source in build.CUDA_SOURCES:  # device code depends on the CUDA toolkit only
+    for source in build_cuda.CUDA_SOURCES:  # device code depends on the CUDA toolkit only
         assert "torch" not in source.read_text()
-    for source in build.HOST_SOURCES:
+    for source in build_cuda.HOST_SOURCES:
         assert "torch/extension.h" in source.read_text()
 
 
 def test_nvshmem_back_end_is_skipped_unless_asked_for(monkeypatch, tmp_path):
-    monkeypatch.delenv(build.NVSHMEM_SWITCH, raising=False)
+    monkeypatch.delenv(build_cuda.NVSHMEM_SWITCH, raising=False)
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "nvshmem.h").write_text("")
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
-    assert build.find_nvshmem() == tmp_path
-    assert build.nvshmem_options() == {}  # found, but not asked for
-    monkeypatch.setenv(build.NVSHMEM_SWITCH, "1")
-    options = build.nvshmem_options()
+    assert build_cuda.find_nvshmem() == tmp_path
+    assert build_cuda.nvshmem_options() == {}  # found, but not asked for
+    monkeypatch.setenv(build_cuda.NVSHMEM_SWITCH, "1")
+    options = build_cuda.nvshmem_options()
     assert "-DEP_WITH_NVSHMEM" in options["nvcc"] and "nvshmem_device" in options["libraries"]
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "missing"))
-    if build.find_nvshmem() is None:  # no wheel either: skipped even when asked for
-        assert build.nvshmem_options() == {}
+    if build_cuda.find_nvshmem() is None:  # no wheel either: skipped even when asked for
+        assert build_cuda.nvshmem_options() == {}
 
 
 def test_constants_come_from_the_header():
@@ -112,7 +112,7 @@ def config_probe(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("no host C++ compiler")
     probe = tmp_path_factory.mktemp("probe") / "config_probe"
-    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{build.CSRC}", str(build.CSRC / "host" / "config_probe.cpp"),
+    subprocess.run(["g++", "-std=c++17", "-O1", f"-I{build_cuda.CSRC}", str(build_cuda.CSRC / "host" / "config_probe.cpp"),
                     "-o", str(probe)], check=True)
 
     def run(mode: str, grid: list[tuple[int, ...]]) -> list[str]:
@@ -147,11 +147,11 @@ ptxas info    : Used 90 registers, used 1 barriers, 16 bytes cumulative stack si
     assert (kernel.stack, kernel.spill_stores, kernel.spill_loads) == (16, 8, 4)
 
 
-@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.skipif(build_cuda.find_nvcc() is None, reason="nvcc not installed")
 def test_compile_check_compiles_every_kernel_for_sm90_without_spills_and_the_host_sources():
     # the NVSHMEM pass has its own test (tests/unit/test_compile_check.py)
     proc = subprocess.run([sys.executable, "-m", "kernels_cuda.compile_check", "--passes", "device,host", "--jobs", "2"],
-                          capture_output=True, text=True, cwd=Path(build.PACKAGE_DIR).parent, timeout=600)
+                          capture_output=True, text=True, cwd=Path(build_cuda.PACKAGE_DIR).parent, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for kernel in ("get_dispatch_layout_kernel", "notify_dispatch_kernel", "cached_notify_kernel", "dispatch_kernel",
                    "combine_kernel", "internode_notify_kernel", "internode_cached_notify_kernel",
@@ -185,12 +185,12 @@ def test_toolkit_root_is_what_nvcc_reports_even_through_a_wrapper(tmp_path):
     wrapper.parent.mkdir()
     wrapper.write_text(f"#!/bin/sh\necho '#$ _NVVM_BRANCH_=nvvm'\necho '#$ TOP={toolkit}/bin/..'\n")
     wrapper.chmod(0o755)
-    assert build.toolkit_root(str(wrapper)) == toolkit  # not tmp_path, the wrapper's grandparent
+    assert build_cuda.toolkit_root(str(wrapper)) == toolkit  # not tmp_path, the wrapper's grandparent
 
 
-@pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not installed")
+@pytest.mark.skipif(build_cuda.find_nvcc() is None, reason="nvcc not installed")
 def test_toolkit_root_of_the_installed_nvcc_holds_nvcc_and_the_runtime_headers():
-    root = build.toolkit_root(build.find_nvcc())
+    root = build_cuda.toolkit_root(build_cuda.find_nvcc())
     assert (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file()
 
 
@@ -198,7 +198,7 @@ def test_the_extension_is_loaded_after_torch(tmp_path):
     """A real build links libc10/libtorch without an rpath: loading it before torch fails (as a stand-in
     extension here does, the way the real one did on a CUDA build of torch)."""
     package = tmp_path / "kernels_cuda"
-    shutil.copytree(build.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__", "_C*.so"))
+    shutil.copytree(build_cuda.PACKAGE_DIR, package, ignore=shutil.ignore_patterns("__pycache__", "_C*.so"))
     (package / "_C.py").write_text("import sys\nif 'torch' not in sys.modules:\n"
                                    "    raise ImportError('libc10.so: cannot open shared object file')\n")
     proc = subprocess.run([sys.executable, "-c", "import kernels_cuda; print(kernels_cuda.build_status())"],
