@@ -32,6 +32,8 @@ class GroupEnds:
     def __init__(self, offsets: torch.Tensor, host_counts: Sequence[int] | None = None) -> None:
         """`host_counts`: the rows per group, on the host, when the caller has them (they must be the
         counts `offsets` accumulates)."""
+        if host_counts is not None and len(host_counts) != len(offsets):
+            raise ValueError(f"GroupEnds: {len(host_counts)} host counts for {len(offsets)} groups")
         self.offsets = offsets
         self._host = None if host_counts is None else tuple(itertools.accumulate(host_counts))
 

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 
 import model.fp8
 from model.fp8 import Fp8GemmOps, blockwise_scaled_mm_supported
-from model.layers import GroupedLinear, Linear
+from model.layers import GroupEnds, GroupedLinear, Linear
 from model.moe import RoutedExperts
 from model.recompute import Recompute
 from tests.host_syncs import HostSyncCounter
-from tests.unit.test_fp8 import GROUP_SIZES, generator, group_ends, swiglu, tiled_randn
+from tests.unit.test_fp8 import GROUP_SIZES, generator, group_ends, group_offsets, swiglu, tiled_randn
 
 TILE = 128
 
@@ -224,3 +224,8 @@ def test_the_experts_read_their_group_sizes_to_the_host_once(kernel):
     kernel.calls.clear()
     syncs = run_experts(55, 256, 128, 96, counted=True)
     assert len(kernel.calls) >= 12 and syncs.syncs == []
+
+
+def test_group_ends_refuse_host_counts_of_another_length():
+    with pytest.raises(ValueError, match="3 host counts for 4 groups"):
+        GroupEnds(group_offsets(GROUP_SIZES), [1, 2, 3])
