@@ -102,7 +102,8 @@ def test_packed_experts_compute_only_the_counted_rows():
         for e, n in enumerate(count.tolist()):
             rows = packed[e, :n]
             idx = torch.full((n, 1), e)
-            expected = experts(rows, idx, torch.ones(n, 1), n)  # the dispatch path, one expert per row
+            per_expert = [n if other == e else 0 for other in range(4)]
+            expected = experts(rows, idx, torch.ones(n, 1), per_expert)  # the dispatch path, one expert per row
             torch.testing.assert_close(out[e, :n], expected, rtol=1e-5, atol=1e-6)
             assert (out[e, n:] == 0).all()
 
