@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from kernels_cuda.config import Config, InternodeConfig
 from kernels_cuda.extensions import (DEVICES, KernelsNotBuilt, build_problem, build_status, default_device, extension,
-                                   extension_of, is_built, require_built)
+                                     is_built, require_built)
 from kernels_cuda.buffer import Buffer, EmulatedGroup, EventOverlap, Handle
 from kernels_cuda.emulation import Schedule
 from kernels_cuda.internode import EmulatedInternodeGroup, InternodeHandle
