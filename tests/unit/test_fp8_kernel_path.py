@@ -112,11 +112,17 @@ def run_linear(seed: int, in_features: int, out_features: int, rows: int) -> tup
     return y.detach(), x.grad, layer.weight.grad
 
 
-def run_grouped(seed: int, in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
-    gen = generator(seed)
+def fp8_grouped_layer(gen: torch.Generator, in_features: int, out_features: int) -> GroupedLinear:
+    """A GroupedLinear of GROUP_SIZES' groups on FP8 GEMMs, its weights drawn from `gen`."""
     layer = GroupedLinear(len(GROUP_SIZES), in_features, out_features)
     layer.gemms = Fp8GemmOps()
     layer.weight.data = torch.stack([tiled_randn((out_features, in_features), gen) for _ in GROUP_SIZES])
+    return layer
+
+
+def run_grouped(seed: int, in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
+    gen = generator(seed)
+    layer = fp8_grouped_layer(gen, in_features, out_features)
     x = tiled_randn((sum(GROUP_SIZES), in_features), gen).requires_grad_()
     y = layer(x, group_ends(GROUP_SIZES))
     y.backward(tiled_randn((sum(GROUP_SIZES), out_features), gen))
@@ -125,9 +131,7 @@ def run_grouped(seed: int, in_features: int, out_features: int) -> tuple[torch.T
 
 def run_activated(seed: int, width: int, out_features: int) -> tuple[torch.Tensor, ...]:
     gen = generator(seed)
-    layer = GroupedLinear(len(GROUP_SIZES), width, out_features)
-    layer.gemms = Fp8GemmOps()
-    layer.weight.data = torch.stack([tiled_randn((out_features, width), gen) for _ in GROUP_SIZES])
+    layer = fp8_grouped_layer(gen, width, out_features)
     rows = sum(GROUP_SIZES)
     x = tiled_randn((rows, 2 * width), gen, spread=3).requires_grad_()
     row_weights = (torch.rand(rows, 1, generator=gen) + 0.5).requires_grad_()
