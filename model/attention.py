@@ -59,8 +59,22 @@ class MLA(nn.Module):
                 out = self._absorbed_attention(q_nope, q_pe, cached_latent, cached_k_pe, start)
                 return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
         q, k, v = self.recompute.region("mla_up_proj", self._up_project, q_input, latent, k_pe, cos, sin)
-        out = causal_attention(q, k, v, self.softmax_scale, self.v_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim))
+        out = self.recompute.compact_saved_output(
+            "mla_up_proj", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale),
+            self._heads_last, self._padded_heads)
+        return self.o_proj(out)
+
+    def _heads_last(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention core's output [B, H, T, qk] -> o_proj's input [B, T, H * v_dim]: the padding of v
+        (zeros in the output too) cut off."""
+        batch, _, seq, _ = out.shape
+        return out[..., :self.v_dim].transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim)
+
+    def _padded_heads(self, heads_last: torch.Tensor) -> torch.Tensor:
+        """`_heads_last`'s inverse: the core's output, v's padding channels zero."""
+        batch, seq, _ = heads_last.shape
+        out = heads_last.view(batch, seq, self.num_heads, self.v_dim).transpose(1, 2)
+        return F.pad(out, (0, self.nope_dim + self.rope_dim - self.v_dim))
 
     def _queries(self, q_input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope [B, H, T, d_nope] and the rotated q_pe [B, H, T, d_rope] from the q latent (or x)."""
@@ -100,8 +114,3 @@ class MLA(nn.Module):
 def _rotated_key(k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The one RoPE key head shared by all heads, [B, T, d_rope] -> rotated [B, 1, T, d_rope]."""
     return apply_rope(k_pe.unsqueeze(1), cos, sin)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor:
-    """Causal SDPA of v zero-padded to the qk head dim, cut back to its first `v_dim` channels."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :v_dim]

@@ -29,8 +29,8 @@ What this module owns:
   grouped kernel: on a device that runs the dense one, the grouped GEMMs run it once per group.
 - **FP8 activation caching.** The Functions save the FP8 tensors the backward consumes (the input
   in the 128x1 tiling, the weight in 128x128 blocks), never a high-precision copy of the input. The
-  routed experts' down projection caches its SwiGLU's input (1x128 tiles) and recomputes the SwiGLU
-  in backward (§3.3.3): `Fp8ActivatedGroupedFunction`.
+  MoE's down projections (the routed experts' and the shared expert's) cache their SwiGLU's input
+  (1x128 tiles) and recompute the SwiGLU in backward (§3.3.3): `Fp8ActivatedFunction`.
 """
 from __future__ import annotations
 
@@ -513,48 +513,67 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-class Fp8ActivatedGroupedFunction(torch.autograd.Function):
-    """y_g = activation(x, row_weights)_g W_g^T per group, DeepSeek-V3's routed experts' down projection
-    of their SwiGLU (§3.3.3): x (the gate/up output) is cached in FP8, 1x128 tiles, and the activation's
-    output, the GEMM's input, is not kept but recomputed in backward from the dequantized cache. The
-    GEMMs are `Fp8GroupedLinearFunction`'s; the weight gradient's 128x1 operand is quantized from the
+class Fp8ActivatedFunction(torch.autograd.Function):
+    """y = activation(x[, row_weights]) W^T, a SwiGLU's down projection as DeepSeek-V3 runs the MoE's
+    (§3.3.3): x (the gate/up output) is cached in FP8, 1x128 tiles, and the activation's output, the
+    GEMM's input, is not kept but recomputed in backward from the dequantized cache. With `groups`
+    the routed experts' (one weight per group, rows sorted by group, each row scaled by its router
+    weight: `Fp8GroupedLinearFunction`'s GEMMs), without the shared expert's (one weight, no row
+    weights: `Fp8LinearFunction`'s). The weight gradient's 128x1 operand is quantized from the
     recomputed activation. The forward computes the activation from x itself, so the cache's rounding
     reaches the gradients only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
-                activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ops: Fp8GemmOps) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor | None, weight: torch.Tensor,
+                groups: GroupEnds | None, activation: Callable[..., torch.Tensor], ops: Fp8GemmOps) -> torch.Tensor:
         weight_q = ops.quantized_weight(weight)
         cache = quantize_1x128(x, ops.power_of_two_scales)
-        hidden = activation(x, row_weights)
+        hidden = _activate(activation, x, row_weights)
         ctx.save_for_backward(cache.data, cache.scale, row_weights, weight_q.data, weight_q.scale)
         ctx.groups, ctx.activation, ctx.x_dtype, ctx.weight, ctx.sink = groups, activation, x.dtype, weight, ops.sink
         ctx.power_of_two_scale = ops.power_of_two_scales
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
-        return fp8_grouped_mm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, groups,
-                              gemm_dtype(hidden, weight))
+        y = _fp8_gemm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, groups,
+                      gemm_dtype(hidden, weight))
+        return y.reshape(*x.shape[:-1], weight.shape[-2])
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         cache_data, cache_scale, row_weights, weight_data, weight_scale = ctx.saved_tensors
         with torch.enable_grad():
             x = dequantize(Fp8Tensor(cache_data, cache_scale, 1), ctx.x_dtype).requires_grad_()
-            row_weights = row_weights.detach().requires_grad_(ctx.needs_input_grad[1])
-            hidden = ctx.activation(x, row_weights)
-        grad_y = grad_y.contiguous()
+            if row_weights is not None:
+                row_weights = row_weights.detach().requires_grad_(ctx.needs_input_grad[1])
+            hidden = _activate(ctx.activation, x, row_weights)
+        grad_y = _flat_rows(grad_y).contiguous()
         weight_t = Fp8Tensor(weight_data, weight_scale, TILE).t()
-        grad_hidden = fp8_grouped_mm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, ctx.groups, hidden.dtype)
+        grad_hidden = _fp8_gemm(quantize_1x128(grad_y, ctx.grad_power_of_two), weight_t, ctx.groups, hidden.dtype)
         grad_w = None
         if ctx.needs_input_grad[2]:
             # the rebuilt activation's 128x1 tiles are bound only in the partial: once a weight
             # gradient computed now is done they are freed, before the SwiGLU's backward below
-            grad_w = _weight_grad(ctx, functools.partial(
-                _grouped_weight_grad, grad_y, ctx.groups,
-                *quantize_128x1_grouped(hidden.detach(), ctx.groups.offsets, ctx.power_of_two_scale),
-                ctx.power_of_two_scale))
-        inputs = (x, row_weights) if row_weights.requires_grad else (x,)
-        grads = torch.autograd.grad(hidden, inputs, grad_hidden)
+            if ctx.groups is None:
+                compute = functools.partial(_linear_weight_grad, grad_y, quantize_128x1(hidden.detach(),
+                                                                                     ctx.power_of_two_scale),
+                                            ctx.power_of_two_scale)
+            else:
+                compute = functools.partial(
+                    _grouped_weight_grad, grad_y, ctx.groups,
+                    *quantize_128x1_grouped(hidden.detach(), ctx.groups.offsets, ctx.power_of_two_scale),
+                    ctx.power_of_two_scale)
+            grad_w = _weight_grad(ctx, compute)
+        inputs = (x, row_weights) if row_weights is not None and row_weights.requires_grad else (x,)
+        grads = torch.autograd.grad(hidden, inputs, grad_hidden.reshape(hidden.shape))
         return grads[0], grads[1] if len(grads) > 1 else None, grad_w, None, None, None
+
+
+def _activate(activation: Callable[..., torch.Tensor], x: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    return activation(x) if row_weights is None else activation(x, row_weights)
+
+
+def _fp8_gemm(a: Fp8Tensor, weight: Fp8Tensor, groups: GroupEnds | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """a W^T: one weight (groups None) or one per group of a's rows."""
+    return fp8_mm(a, weight, out_dtype) if groups is None else fp8_grouped_mm(a, weight, groups, out_dtype)
 
 
 @dataclass
@@ -615,8 +634,13 @@ class Fp8GemmOps(GemmOps):
                           row_weights: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                           recompute: Recompute) -> torch.Tensor:
         """The activation's input cached in FP8 and its output recomputed, whatever `recompute` holds
-        (DeepSeek-V3's FP8 recipe always does: `Fp8ActivatedGroupedFunction`)."""
-        return Fp8ActivatedGroupedFunction.apply(x, row_weights, weight, groups, activation, self)
+        (DeepSeek-V3's FP8 recipe always does: `Fp8ActivatedFunction`)."""
+        return Fp8ActivatedFunction.apply(x, row_weights, weight, groups, activation, self)
+
+    def linear_activated(self, activation: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                         weight: torch.Tensor, recompute: Recompute | None) -> torch.Tensor:
+        """The shared expert's as the routed experts' (`grouped_activated`)."""
+        return Fp8ActivatedFunction.apply(x, None, weight, None, activation, self)
 
     def high_precision(self) -> GemmOps:
         return self._high_precision

@@ -151,6 +151,13 @@ class GemmOps:
         their SwiGLU, the activation rebuilt in backward where `recompute` holds `moe_act`."""
         return self.grouped(recompute.region("moe_act", activation, x, row_weights), weight, groups)
 
+    def linear_activated(self, activation: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                         weight: torch.Tensor, recompute: Recompute | None) -> torch.Tensor:
+        """`linear(activation(x), weight)`: the shared expert's down projection of its SwiGLU, the
+        activation rebuilt in backward where `recompute` holds `moe_act`, as the routed experts'."""
+        hidden = activation(x) if recompute is None else recompute.region("moe_act", activation, x)
+        return self.linear(hidden, weight, recompute)
+
     def high_precision(self) -> "GemmOps":
         """The GEMMs for what lower-precision GEMMs leave out (the output head): these themselves."""
         return self
@@ -184,6 +191,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemms.linear(x, self.weight, self.recompute)
+
+    def forward_activated(self, activation: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """This GEMM of `activation(x)` (`GemmOps.linear_activated`), for a decoder layer's Linear."""
+        return self.gemms.linear_activated(activation, x, self.weight, self.recompute)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
@@ -245,11 +256,26 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """Dense SwiGLU FFN: down(silu(gate(x)) * up(x)); also the shared expert."""
 
-    def __init__(self, dim: int, hidden: int, init_std: float, recompute: Recompute | None = None) -> None:
+    def __init__(self, dim: int, hidden: int, init_std: float, recompute: Recompute | None = None,
+                 shared_expert: bool = False) -> None:
+        """`shared_expert`: part of a MoE, whose SwiGLU DeepSeek-V3 runs as the routed experts' (§3.3.3):
+        the down projection of the packed gate|up output through `Linear.forward_activated`, so that
+        the activation is rebuilt in backward under `moe_act` and, with FP8 GEMMs, its input cached
+        in FP8. A dense FFN (False) keeps its activation."""
         super().__init__()
+        self.shared_expert = shared_expert
         self.gate_proj = Linear(dim, hidden, init_std, recompute)
         self.up_proj = Linear(dim, hidden, init_std, recompute)
         self.down_proj = Linear(hidden, dim, init_std, recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not self.shared_expert:
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward_activated(packed_swiglu, torch.cat((gate, up), dim=-1))
+
+
+def packed_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the packed gate|up rows (each half of the last dimension)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -110,13 +110,13 @@ class MoE(nn.Module):
         self.num_experts = args.num_moe_experts
         self.aux_loss_coeff = args.moe_aux_loss_coeff
         local = self.dispatcher.local_experts(args.num_moe_experts)
-        self.gate = Router(args)
+        self.gate = Router(args, recompute)
         self.experts = RoutedExperts(len(local), args.hidden_size, args.moe_ffn_hidden_size,
                                      args.init_method_std, first_expert=local.start, recompute=recompute)
         self.shared_experts = None
         if args.moe_shared_expert_intermediate_size > 0:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_shared_expert_intermediate_size,
-                                         args.init_method_std, recompute)
+                                         args.init_method_std, recompute, shared_expert=True)
         self.last_aux_loss = torch.zeros(())  # value of the latest forward's balance loss, for logs
 
     def forward(self, x: torch.Tensor, exchange: PackedExchange | None = None,

@@ -6,11 +6,13 @@ DeepSeek-V3 (report §3.2.3) recomputes every RMSNorm and the MLA up-projections
 
 - `layernorm`: the four RMSNorms of a decoder layer (input, post-attention, and MLA's q and kv
   latent norms). Neither their outputs nor their internals are stored; each keeps only its input.
+  Nor is the router's fp32 copy of the post-attention norm's output (with bf16 parameters).
 - `mla_up_proj`: the query and key-value up-projections (`q_b_proj`, or `q_proj` without a q LoRA,
   and `kv_b_proj`), the RoPE of q and k and the values' zero padding: q, k and v, which the
   attention core saves, are rebuilt from the latents.
-- `moe_act`: the routed experts' SwiGLU and router-weight scaling: the down projection's input and
-  the activation's internals are rebuilt from the gate/up projection's output.
+- `moe_act`: the routed experts' SwiGLU and router-weight scaling, and the shared expert's SwiGLU:
+  the down projections' inputs and the activations' internals are rebuilt from the gate/up
+  projections' outputs.
 - `full`: the whole decoder layer, keeping only its input (torch.utils.checkpoint); alone.
 
 How: a decoder layer's forward runs inside `Recompute.active()`, a saved-tensors hook pair. A
@@ -22,7 +24,8 @@ internals are large too (a norm, the activation) runs as a non-reentrant checkpo
 backward rebuilds them from its inputs. A region's input that is another region's output (the q
 latent norm feeding the up-projection) is kept as a recipe as well. What a GEMM derives from a
 region's output for its backward (an FP8 Linear's quantized copy of a norm's output, model.fp8) is
-a recipe too when it goes through `Recompute.derived`: rebuilt from the region's replay.
+a recipe too when it goes through `Recompute.derived`: rebuilt from the region's replay (so is the
+router's fp32 copy of the norm's output that its logits' GEMM saves).
 
 A replay computes exactly the forward's values from the same inputs, so fp32 gradients are
 bit-identical to no recomputation. No region contains the router, a dispatch or a combine: a
@@ -80,9 +83,37 @@ class _SavedView:
     offset: int
 
 
+@dataclass(frozen=True)
+class _Expanded:
+    """What an op saved in place of its output, kept as a compact tensor its readers keep anyway: the
+    output is `expand(compact)`, laid out as the op's output was."""
+
+    compact: torch.Tensor
+    expand: Callable[[torch.Tensor], torch.Tensor]
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    def output(self) -> torch.Tensor:
+        full = self.expand(self.compact)
+        if full.stride() == self.stride:
+            return full
+        return torch.empty_strided(self.size, self.stride, dtype=full.dtype, device=full.device).copy_(full)
+
+
+class _Box:
+    """A tensor an op saved while `Recompute.compact_saved_output` runs it, packed once the op has returned."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def _unpack(saved: Any) -> Any:
+    if isinstance(saved, _Box):
+        return _unpack(saved.value)
     if isinstance(saved, _SavedView):
         return saved.recipe.output(saved.index).as_strided(saved.size, saved.stride, saved.offset)
+    if isinstance(saved, _Expanded):
+        return saved.output()
     return saved
 
 
@@ -93,6 +124,8 @@ class Recompute:
     def __init__(self, modules: Iterable[str]) -> None:
         self.modules = frozenset(modules) & set(SELECTIVE_RECOMPUTE)
         self._outputs: dict[int, tuple[StorageWeakRef, _Recipe, int]] | None = None
+        # storages of the compact tensors that ops' backwards keep in place of their outputs
+        self._compact: dict[int, StorageWeakRef] = {}
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -105,7 +138,7 @@ class Recompute:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield
         finally:
-            self._outputs = None
+            self._outputs, self._compact = None, {}
 
     def region(self, module: str, fn: Callable[..., Any], *inputs: Any) -> Any:
         """fn(*inputs), rebuilt in backward where `module` is recomputed and a forward is active."""
@@ -119,12 +152,45 @@ class Recompute:
         """fn(*inputs), a deterministic function that saves nothing itself (it runs where grad is off,
         as an FP8 GEMM's quantization of its input for the backward): when an input is a region's
         output, so that the region's replay rebuilds it, its outputs are rebuilt from that replay
-        instead of kept. An FP8 Linear's copy of a recomputed norm's output then costs nothing
-        until the backward, as the norm's output itself."""
+        instead of kept; when it is the compact tensor an op keeps of its output
+        (`compact_saved_output`), from that tensor. An FP8 Linear's copy of a recomputed norm's output
+        then costs nothing until the backward, as the norm's output itself, and o_proj's copy of the
+        attention core's output nothing beside what the core keeps."""
         out = fn(*inputs)
-        if self._outputs is not None and any(self._region_output(x) is not None for x in inputs):
+        if self._outputs is not None and any(self._region_output(x) is not None or self._is_compact(x)
+                                             for x in inputs):
             self._record(fn, inputs, out)
         return out
+
+    def compact_saved_output(self, module: str, op: Callable[[], torch.Tensor],
+                             compact: Callable[[torch.Tensor], torch.Tensor],
+                             expand: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """compact(op()), where `compact` makes a new, smaller tensor of op's output from which `expand`
+        rebuilds the output bit for bit (the attention core's output without v's zero padding). Where
+        `module` is recomputed, what op saves of its output for its backward is the compact tensor,
+        which its readers keep anyway (o_proj's input), instead of the output itself; the rest op saves
+        is packed as the layer's other saved tensors are."""
+        if module not in self.modules or self._outputs is None:
+            return compact(op())
+        boxes: list[_Box] = []
+
+        def pack(tensor: torch.Tensor) -> _Box:
+            boxes.append(_Box(tensor))
+            return boxes[-1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            out = op()
+        small = compact(out)
+        ref = StorageWeakRef(small.untyped_storage())
+        self._compact[ref.cdata] = ref
+        storage = StorageWeakRef(out.untyped_storage()).cdata
+        for box in boxes:
+            tensor = box.value
+            if StorageWeakRef(tensor.untyped_storage()).cdata == storage and tensor.shape == out.shape:
+                box.value = _Expanded(small, expand, tensor.size(), tensor.stride())
+            else:
+                box.value = self._pack(tensor)
+        return small
 
     def _record(self, fn: Callable[..., Any], inputs: tuple[Any, ...], out: Any) -> None:
         """Remember `out`'s storages as outputs of a recipe that reruns fn on the (packed) inputs."""
@@ -142,6 +208,13 @@ class Recompute:
             return None
         entry = self._outputs.get(StorageWeakRef(tensor.untyped_storage()).cdata)
         return None if entry is None or entry[0].expired() else entry
+
+    def _is_compact(self, tensor: Any) -> bool:
+        """Whether `tensor` shares the storage of a compact tensor kept in place of an op's output."""
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        ref = self._compact.get(StorageWeakRef(tensor.untyped_storage()).cdata)
+        return ref is not None and not ref.expired()
 
     def _pack(self, tensor: Any) -> Any:
         entry = self._region_output(tensor)

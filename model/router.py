@@ -14,6 +14,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.dispatcher import count_per_expert
+from model.recompute import Recompute
 
 
 @dataclass
@@ -70,8 +71,12 @@ def expert_bias_update(load: torch.Tensor, rate: float | torch.Tensor) -> torch.
 class Router(nn.Module):
     """Router weight (fp32 parameter), correction bias (fp32 buffer) and expert-load counter."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, recompute: Recompute | None = None) -> None:
+        """`recompute`: the decoder layer's (model.recompute). Under `layernorm` the fp32 copy of a
+        bf16 input that the logits' GEMM saves for the weight gradient is rebuilt in backward from the
+        norm's replay instead of kept (4 bytes per token and channel)."""
         super().__init__()
+        self.recompute = recompute if recompute is not None else Recompute(())
         self.topk = args.moe_router_topk
         self.num_groups = args.moe_router_num_groups
         self.group_topk = args.moe_router_group_topk
@@ -90,8 +95,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, d] -> Routing; logits are computed in fp32 whatever the activation dtype."""
+        x32 = x if x.dtype == torch.float32 else self.recompute.derived(torch.Tensor.float, x)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x32, self.weight.float())
         if self.score_function == "sigmoid":
             scores = logits.sigmoid()
         else:

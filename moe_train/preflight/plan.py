@@ -261,11 +261,13 @@ def fit_problems(plan: ClusterPlan, gpu_memory_gib: float, reserve_gib: float) -
                              key=lambda item: item[1])
             overflows.setdefault((round(need, 1), part, round(size / GIB, 1)), []).append(rank.pp_rank)
     problems = []
-    recompute = " or ".join(f"model.recompute_modules={option}" for modules, option in RECOMPUTE_HINTS
-                            if not set(modules) <= set(plan.recompute))
+    lighter = [f"model.recompute_modules={option}" for modules, option in RECOMPUTE_HINTS
+               if not set(modules) <= set(plan.recompute)]
+    if plan.config.train.precision != "fp8":  # FP8 GEMMs keep their inputs in FP8
+        lighter.insert(0, "train.precision=fp8")
     for (need, part, size), ranks in overflows.items():
-        hint = (f"try {recompute + ', ' if recompute else ''}a smaller train.micro_batch_size or train.seq_length"
-                if part == "activations" else "try more pipeline stages or a larger parallel.ep")
+        hint = (f"try {' or '.join(lighter) + ', ' if lighter else ''}a smaller train.micro_batch_size or "
+                "train.seq_length" if part == "activations" else "try more pipeline stages or a larger parallel.ep")
         problems.append(("--gpu-memory-gib", f"pp rank(s) {','.join(map(str, ranks))} need {need:.1f} GiB "
                                              f"> {gpu_memory_gib:g} GiB; largest part: {part} {size:.1f} GiB ({hint})"))
     return problems

@@ -25,7 +25,8 @@ of its input it normalises (in fp32 that is the input itself):
 - MoE: router 4E + 12k + 4 (+ 4 with the balance loss); two int64 slot orders 16k; routed experts
   b (kd + 5kf + k): their gate/up input, its output, the SiLU, product and scaled product, and the
   slot weights (their outputs are summed by token without being kept: model.moe.SumByToken); shared
-  expert 4 fs b; with bf16 parameters the router's fp32 copy of its gate weight, 4 E d per
+  expert 4 fs b (its gate and up outputs packed, the SiLU and the product); with bf16 parameters the
+  router's fp32 copy of its gate weight, 4 E d per
   micro-batch (no other weight is copied);
 - layer output b d.
 With EP > 1 the dispatch adds its receive buffers and saved ids, which are not counted.
@@ -44,10 +45,13 @@ b H (3 qk + r).
 - `full`: a layer keeps only b d per token (its input) until its backward, which first rebuilds all
   of the above: the peak is the same.
 - the selective modules take off what `recompute_savings` lists (each norm's statistics,
-  normalised input, output and fp32 copy; q, k and v; the experts' SiLU, product and scaled
+  normalised input, output and fp32 copy, and the router's fp32 copy of the post-attention norm's
+  output; q, k and v, and the core's output, which SDPA then keeps as o_proj's input, without v's
+  padding; the routed experts' SiLU, product and scaled product and the shared expert's SiLU and
   product), net of the region inputs they keep, and add what their backward rebuilds to the phase
-  that rebuilds it: q, k and v (and with layernorm the latents) to the attention's, the experts'
-  activation and the post-attention norm's output to the FFN's.
+  that rebuilds it: q, k, v and the padded output (and with layernorm the latents) to the
+  attention's, the experts' activation and the post-attention norm's output to the FFN's (where
+  with bf16 parameters that output stays from the shared expert's backward to the router's).
 
 With train.precision=fp8 (bf16 parameters and model.fp8's GEMMs, as the trainer builds them for
 pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds what differs:
@@ -57,14 +61,17 @@ pp 1, measured the same way inside the step's `weights_fixed`), `Fp8Gemms` holds
   slots + 127 x local experts, with each tile's expert. Each Linear quantizes its own copy, so the
   attention input (q_a and kv_a) and the FFN's and shared expert's input (gate and up) are kept
   twice, 1 + 1/32 bytes each, where bf16 keeps one tensor of 2;
-- the routed experts keep their SwiGLU's input (the gate/up output) in FP8, 1x128 tiles, and nothing
-  of the SwiGLU or of the down projection's input (§3.3.3: the down projection's backward recomputes
-  them from the cache), with or without moe_act;
+- the routed and the shared experts keep their SwiGLU's input (the gate/up output) in FP8, 1x128
+  tiles, and nothing of the SwiGLU or of the down projection's input (§3.3.3: the down projection's
+  backward recomputes them from the cache), with or without moe_act (the shared expert's backward,
+  never the peak at these proportions, is modelled as a dense FP8 SwiGLU's);
 - under layernorm the copies of the norms' outputs are rebuilt in backward from the norms' replay
   (model.recompute.Recompute.derived) instead of kept: each reader's backward holds its rebuilt copy
   (the routed experts' and the shared expert's only while they run; kv_b's at its weight gradient,
   with mla_up_proj beside the q latent that the core's rebuild of q replayed); mla_up_proj without
-  layernorm keeps the two latents it rebuilds q, k and v from, b (ql + kl);
+  layernorm keeps the two latents it rebuilds q, k and v from, b (ql + kl); under mla_up_proj
+  o_proj's copy of the core's output is rebuilt from the bf16 output the core keeps (at o_proj's
+  weight gradient);
 - the peak of the FFN's backward is a down projection's weight gradient, with its input gradient
   alive: the larger of its output gradient's 128x1 re-quantization (the quantizer's fp32 copy
   padded to whole tiles and its scaled values, 8 bytes per element of a chunk of at most
@@ -180,11 +187,13 @@ class Fp8Gemms:
         tiles = self.padded_slots // TILE
         return (self.padded_slots * width + 4 * width * tiles + 8 * tiles) / self.tokens
 
-    def swiglu_cache(self, width: int) -> float:
-        """Per token, the routed experts' SwiGLU input (their gate/up output, `width` = 2f per slot) cached
-        in FP8 (model.fp8.Fp8ActivatedGroupedFunction): E4M3 in 1x128 tiles, 1 byte per element and
-        an fp32 scale per row and 128 channels."""
-        return self.slots * (width + 4 * _ceil_div(width, TILE)) / self.tokens
+    def swiglu_cache(self, width: int, rows: int | None = None) -> float:
+        """Per token, a MoE SwiGLU's input (its gate/up output, `width` = 2f per row) cached in FP8
+        (model.fp8.Fp8ActivatedFunction): E4M3 in 1x128 tiles, 1 byte per element and an fp32 scale
+        per row and 128 channels; `rows`: the routed experts' slots (default), or the shared expert's
+        tokens."""
+        rows = self.slots if rows is None else rows
+        return rows * (width + 4 * _ceil_div(width, TILE)) / self.tokens
 
     def requantization(self, width: int) -> float:
         """Bytes alive while a Linear's output gradient of `width` is quantized into 128x1 tiles for its
@@ -266,11 +275,15 @@ def _swiglu_kept(width: int, b: int, fp8: Fp8Gemms | None) -> float:
 
 
 def _shared_expert_kept(a: ModelArgs, bf16: bool, fp8: Fp8Gemms | None = None) -> float:
-    """Its activations of width fs; with bf16 parameters also its input, the post-attention norm's bf16
-    output (in fp32 that tensor is the router's input, counted there), or with FP8 GEMMs the gate and
-    up projections' copies of it."""
+    """Its activations of width fs (with FP8 GEMMs its SwiGLU's input cached in FP8, as the routed
+    experts'); with bf16 parameters also its input, the post-attention norm's bf16 output (in fp32 that
+    tensor is the router's input, counted there), or with FP8 GEMMs the gate and up projections'
+    copies of it."""
     fs, b = a.moe_shared_expert_intermediate_size, _dtype_bytes(bf16)
-    return (_swiglu_kept(fs, b, fp8) + _linear_inputs(a.hidden_size, 2, b, fp8) * bf16) if fs else 0
+    if not fs:
+        return 0
+    activations = fp8.swiglu_cache(2 * fs, fp8.tokens) if fp8 else _swiglu_kept(fs, b, fp8)
+    return activations + _linear_inputs(a.hidden_size, 2, b, fp8) * bf16
 
 
 def ffn_terms(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None = None) -> dict[str, float]:
@@ -320,16 +333,34 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
         # the norm's output: the FFN's input, or in a MoE layer the router's fp32 input (fp32) or the
         # shared expert's input (bf16)
         output = norm_output(d, 2) * (not (moe and bf16) or a.moe_shared_expert_intermediate_size > 0)
-        saved["layernorm_ffn"] = _norm_bytes(d, bf16) + output - 2 * d * bf16
+        # with bf16 parameters the router's fp32 copy of the norm's output is rebuilt from its replay
+        router_copy = 4 * d * (moe and bf16)
+        saved["layernorm_ffn"] = _norm_bytes(d, bf16) + output - 2 * d * bf16 + router_copy
     if "mla_up_proj" in modules:
-        saved["mla_up_proj"] = 3 * b * heads * a.qk_full_head_dim
+        # q, k and v; and the core's output, kept as o_proj's input (with FP8 GEMMs kept in bf16 and
+        # o_proj's FP8 copy of it rebuilt from that in backward)
+        output = b * heads * a.qk_full_head_dim
+        if fp8:
+            output += _linear_inputs(heads * a.v_head_dim, 1, b, fp8) - b * heads * a.v_head_dim
+        saved["mla_up_proj"] = 3 * b * heads * a.qk_full_head_dim + output
         if fp8 and "layernorm" not in modules:
             saved["up_projection_inputs"] = -b * ((ql or d) + kl)
     if bf16 and modules & {"layernorm", "mla_up_proj"}:
         saved["kv_a_output"] = -2 * (kl + a.qk_pos_emb_head_dim)
-    if "moe_act" in modules and moe and not fp8:
-        saved["moe_act"] = 3 * b * a.moe_router_topk * a.moe_ffn_hidden_size
+    if "moe_act" in modules and moe:
+        # the routed experts' SiLU, product and scaled product (the FP8 experts never keep them), and the
+        # shared expert's SiLU and product (the down projection's input, or its FP8 copy)
+        routed = 0 if fp8 else 3 * b * a.moe_router_topk * a.moe_ffn_hidden_size
+        saved["moe_act"] = routed + _shared_activation_saving(a, b, fp8)
     return saved
+
+
+def _shared_activation_saving(a: ModelArgs, b: int, fp8: Fp8Gemms | None) -> float:
+    """Per token, what `moe_act` takes off the shared expert's activations: its SiLU and product (the
+    down projection's input), rebuilt from the gate and up outputs it keeps. With FP8 GEMMs nothing:
+    it always keeps only their FP8 cache."""
+    fs = a.moe_shared_expert_intermediate_size
+    return 2 * b * fs if "moe_act" in a.recompute_modules and fs and not fp8 else 0
 
 
 def _swiglu_backward(d: int, width: int, tokens: int, bf16: bool, fp8: Fp8Gemms | None = None) -> float:
@@ -380,9 +411,13 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     # the routed experts' to be added
     b = _dtype_bytes(bf16)
     rebuilt_copies = _linear_inputs(d, 2, b, fp8) if fp8 and fs and "layernorm" in modules else 0
-    freed = (_shared_expert_kept(a, bf16, fp8) - rebuilt_copies - b * d) * tokens
+    freed = (_shared_expert_kept(a, bf16, fp8) - _shared_activation_saving(a, b, fp8) - rebuilt_copies - b * d) \
+        * tokens
+    # layernorm with bf16 parameters: the norm's output that the shared expert's backward rebuilt stays
+    # through the routed experts' backward, until the router's rebuilds its fp32 copy from it
+    waiting = b * d * tokens if bf16 and fs and "layernorm" in modules else 0
     if fp8:
-        return max(shared, _fp8_routed_backward(a, bf16, fp8) - freed)
+        return max(shared, _fp8_routed_backward(a, bf16, fp8) - freed + waiting)
     activations = k * f * b * tokens
     # moe_act: the rebuilt down-projection input is alive in its backward; the gate/up projection's
     # backward then frees none of the 3 kf (they were not kept)
@@ -391,7 +426,7 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     # the gradient of the routed outputs, then the one the gate/up projection hands down (as large)
     routed_grad = k * d * b * tokens
     routed = routed_grad + max(0, activations + experts * d * f * b + rebuilt,
-                               -3 * activations + unfreed + experts * 2 * f * d * b) - freed
+                               -3 * activations + unfreed + experts * 2 * f * d * b) - freed + waiting
     # layernorm: the shared expert's backward rebuilds the post-attention norm's output; in fp32 it
     # stays until the router's backward reads it (4d), with bf16 parameters it goes (the router keeps
     # an fp32 copy) but is not among the kept bytes `freed` counts (2d)
@@ -407,18 +442,25 @@ def _attention_backward(a: ModelArgs, tokens: int, bf16: bool, fp8: Fp8Gemms | N
     b = _dtype_bytes(bf16)
     work = b * heads * (3 * qk + a.qk_pos_emb_head_dim)
     if "mla_up_proj" in modules:
-        work += 3 * b * heads * qk
+        # q, k and v rebuilt, and the core's output padded again from o_proj's input, which stays for it
+        # (with FP8 GEMMs it is among the kept bytes, beside o_proj's copy)
+        work += 3 * b * heads * qk + b * heads * qk + (0 if fp8 else b * heads * a.v_head_dim)
         if "layernorm" in modules:
             work += b * ((a.q_lora_rank or a.hidden_size) + a.kv_lora_rank)
     if not fp8:
         return work * tokens
     o_proj = _fp8_linear_backward(a.hidden_size, heads * a.v_head_dim, b, fp8)
+    o_proj_copy = _linear_inputs(heads * a.v_head_dim, 1, b, fp8)
+    if "mla_up_proj" in modules:  # o_proj rebuilds its FP8 copy of the core's output for its backward
+        o_proj += o_proj_copy * tokens
     # kv_b's backward runs once the core's saved tensors and o_proj's input are freed, with the
     # gradients of q, of the rope key and of its own output alive; under layernorm also the FP8 copy of
     # its input that it rebuilt from the kv norm's replay, and with mla_up_proj the q latent that the
     # core's rebuild of q replayed, alive until q_b's backward rebuilds its copy from it
     terms, kv_width = attention_terms(a, bf16, fp8), heads * (a.qk_head_dim + a.v_head_dim)
     core_saved = terms["attention_core"] + terms["qkv"] * ("mla_up_proj" not in modules)
+    if "mla_up_proj" in modules:  # the core kept its output as o_proj's bf16 input, without v's padding
+        core_saved -= b * heads * (qk - a.v_head_dim) + o_proj_copy
     rebuilt = 0
     if "layernorm" in modules:
         rebuilt = _linear_inputs(a.kv_lora_rank, 1, b, fp8) + b * (a.q_lora_rank or a.hidden_size) * (

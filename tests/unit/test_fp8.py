@@ -33,7 +33,7 @@ import model.fp8
 from model.fp8 import (E4M3_MAX, FP8_DTYPE, Fp8GemmOps, Fp8Tensor, blockwise_scaled_mm_supported,
                        emulated_fp8_mm, fp8_grouped_mm, fp8_grouped_weight_grad, fp8_mm, quantize_1x128,
                        quantize_128x1, quantize_128x1_grouped, quantize_128x128, quantize_tiles)
-from model.layers import GroupEnds, GroupedLinear, Linear
+from model.layers import GroupEnds, GroupedLinear, Linear, packed_swiglu
 from model.recompute import Recompute
 from tests.unit.live_memory import LiveStorage
 
@@ -562,6 +562,38 @@ def test_activated_grouped_gemm_keeps_the_fp8_cache_not_the_activation():
                                 Recompute(("moe_act",)))
     assert saved == [(FP8_DTYPE, (rows, 192)), (torch.float32, (rows, 2)), (torch.float32, (rows, 1)),
                      (FP8_DTYPE, (4, 144, 96)), (torch.float32, (4, 2, 1))]
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["amax-scale", "pow2-scale"])
+def test_activated_linear_recomputes_the_swiglu_from_its_fp8_cache(power_of_two):
+    """The shared expert's down projection (one weight, no router weights) as the routed experts': the
+    forward is the FP8 GEMM of the SwiGLU of x itself; the backward's gradients are those of the SwiGLU
+    of x's 1x128 FP8 quantization followed by `Fp8LinearFunction`, bit for bit; and it keeps only the
+    E4M3 cache with its scales and the FP8 weight."""
+    x, _, weights, grad_y = activated_case(54 + power_of_two)
+
+    def layer() -> Linear:
+        linear = Linear(96, 144)
+        linear.gemms = Fp8GemmOps(power_of_two_scales=power_of_two)
+        linear.weight.data = weights[0].clone()
+        return linear
+
+    activated, reference = layer(), layer()
+    x_itself = x.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                  lambda t: t):
+        y = activated.forward_activated(packed_swiglu, x_itself)
+    assert saved == [(FP8_DTYPE, (x.shape[0], 192)), (torch.float32, (x.shape[0], 2)),
+                     (FP8_DTYPE, (144, 96)), (torch.float32, (2, 1))]
+    y.backward(grad_y)
+    assert torch.equal(y.detach(), reference(packed_swiglu(x)).detach())
+    x_cached = Reference(x, 1, power_of_two).values.float().requires_grad_()
+    reference(packed_swiglu(x_cached)).backward(grad_y)
+    assert torch.equal(x_itself.grad, x_cached.grad) and torch.equal(activated.weight.grad, reference.weight.grad)
+    x_plain = x.clone().requires_grad_()  # the cache's rounding reaches the gradients
+    layer()(packed_swiglu(x_plain)).backward(grad_y)
+    assert not torch.equal(x_itself.grad, x_plain.grad)
 
 
 # ---- the FP8 dispatch's rows as the gate/up GEMM's quantized input ----

@@ -232,8 +232,9 @@ def test_recompute_in_bf16_is_bit_identical(mode):
 def test_recompute_with_fp8_gemms_is_bit_identical(modules, monkeypatch):
     """FP8 GEMMs (train.precision=fp8): the FP8 copies the Linears keep of recomputed norms' outputs are
     rebuilt in backward from the norms' replay (model.recompute.Recompute.derived), the same E4M3
-    values, so the gradients equal no recomputation bit for bit; and the copies are not kept: kept
-    with them rebuilt is less, by exactly their bytes, than kept with them stored."""
+    values, as are the router's fp32 copy of its input and, under mla_up_proj, o_proj's copy of the
+    attention core's output; so the gradients equal no recomputation bit for bit, and the copies are
+    not kept: kept with them rebuilt is less, by exactly their bytes, than kept with them stored."""
     seed = 11
     print(f"seed {seed}")
     torch.manual_seed(seed)
@@ -257,21 +258,25 @@ def test_recompute_with_fp8_gemms_is_bit_identical(modules, monkeypatch):
     monkeypatch.setattr(Recompute, "derived", lambda self, fn, *inputs: fn(*inputs))
     kept_stored, grads_stored = kept_and_gradients(again)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_stored))
-    copies = _fp8_copies_of_norm_outputs(TINY, tokens=inputs.numel())
+    copies = _rebuilt_copies(dataclasses.replace(TINY, recompute_modules=modules), tokens=inputs.numel())
     print(f"kept {kept} bytes, {kept_stored} with the copies stored; the copies: {copies}")
     assert kept_stored - kept == copies
 
 
-def _fp8_copies_of_norm_outputs(args, tokens: int) -> int:
-    """Bytes of the 128x1 E4M3 copies (and their fp32 scales) that a layer's Linears keep of its norms'
-    outputs: q_a and kv_a of the input norm's, q_b of the q norm's, kv_b of the kv norm's, and the
-    dense FFN's or shared expert's gate and up of the post-attention norm's; in every decoder layer
-    and each MTP depth's (a MoE layer)."""
+def _rebuilt_copies(args, tokens: int) -> int:
+    """Bytes of the copies that `layernorm` (with `args.recompute_modules`) rebuilds instead of keeping:
+    the 128x1 E4M3 copies (and their fp32 scales) that a layer's Linears keep of its norms' outputs
+    (q_a and kv_a of the input norm's, q_b of the q norm's, kv_b of the kv norm's, and the dense FFN's
+    or shared expert's gate and up of the post-attention norm's) and the router's fp32 copy of the
+    post-attention norm's output (4 bytes per element); and with `mla_up_proj` o_proj's copy of the
+    attention core's output; in every decoder layer and each MTP depth's (a MoE layer)."""
     tiles = -(-tokens // 128)
     copy = lambda width: width * (tokens + 4 * tiles)  # noqa: E731
     moe = [args.is_moe_layer(i) for i in range(args.num_layers)] + [True] * args.mtp_num_layers
     return sum(2 * copy(args.hidden_size) + copy(args.q_lora_rank) + copy(args.kv_lora_rank)
                + 2 * copy(args.hidden_size) * (args.moe_shared_expert_intermediate_size > 0 or not is_moe)
+               + 4 * args.hidden_size * tokens * is_moe
+               + copy(args.num_attention_heads * args.v_head_dim) * ("mla_up_proj" in args.recompute_modules)
                for is_moe in moe)
 
 
