@@ -2,10 +2,14 @@
 trained with `train.precision=bf16` and with `fp32`, and how far apart they are.
 
     python -m benchmarks.bf16_loss_curves [--config moe_train/configs/demo.yaml] [--steps 100] [--nudge]
+                                          [--seeds S ...]
 
 `--nudge` also trains bf16 with one weight element moved by one bf16 ulp before the first step
 (`nudge_one_weight`) and prints how far that curve is from the bf16 one: what one rounding alone does
-along a trajectory, the noise floor of any comparison of two loss curves step by step.
+along a trajectory, the noise floor of any comparison of two loss curves step by step. `--seeds`
+compares the two precisions once per `train.seed` (initialisation and data order) and then over all:
+a step-by-step max is set by the one step where two trajectories part most, which differs from seed
+to seed far more than the mean does.
 """
 from __future__ import annotations
 
@@ -71,19 +75,27 @@ def curve_difference(a: list[float], b: list[float]) -> tuple[float, float]:
     return max(gaps), statistics.fmean(gaps)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = training_parser(__doc__.splitlines()[0], steps=100)
     parser.add_argument("--nudge", action="store_true", help="also bf16 with one weight moved by one ulp")
-    opts = parser.parse_args()
-    curves = {p: loss_curve(opts.config, p, opts.steps, opts.overrides) for p in ("fp32", "bf16")}
-    nudged = train_run(opts.config, "bf16", opts.steps, opts.overrides, prepare=nudge_one_weight).losses \
-        if opts.nudge else None
-    seed = load_config(opts.config, opts.overrides).train.seed
-    print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
-    print_curves(curves, "")
-    if nudged is not None:
-        worst, mean = curve_difference(nudged, curves["bf16"])
-        print(f"|bf16 nudged by one ulp - bf16| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
+    parser.add_argument("--seeds", type=int, nargs="+", help="train.seed of each comparison (default: the config's)")
+    opts = parser.parse_args(argv)
+    seeds = opts.seeds or [load_config(opts.config, opts.overrides).train.seed]
+    differences = []
+    for seed in seeds:
+        overrides = [*opts.overrides, f"train.seed={seed}"]
+        curves = {p: loss_curve(opts.config, p, opts.steps, overrides) for p in ("fp32", "bf16")}
+        print(f"config {opts.config}, {opts.steps} steps, seed {seed}")
+        print_curves(curves, "")
+        differences.append(curve_difference(curves["bf16"], curves["fp32"]))
+        if opts.nudge:
+            nudged = train_run(opts.config, "bf16", opts.steps, overrides, prepare=nudge_one_weight).losses
+            worst, mean = curve_difference(nudged, curves["bf16"])
+            print(f"|bf16 nudged by one ulp - bf16| loss over {opts.steps} steps: max {worst:.4f}, mean {mean:.4f}")
+    if len(seeds) > 1:
+        print(f"|bf16 - fp32| over seeds {' '.join(map(str, seeds))}: max per seed "
+              f"{' '.join(f'{worst:.4f}' for worst, _ in differences)}; mean per seed "
+              f"{' '.join(f'{mean:.4f}' for _, mean in differences)}")
 
 
 def print_curves(curves: dict[str, list[float]], what: str) -> None:

@@ -3,6 +3,7 @@ NaN handling, bad input, the launcher and the plot script."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from benchmarks.bf16_loss_curves import curve_difference, loss_curve, nudge_one_weight, train_run
+from benchmarks.bf16_loss_curves import curve_difference, loss_curve, main as bf16_curves_main, nudge_one_weight, \
+    train_run
 from benchmarks.bf16_moments_curves import moment_curves
 from moe_train.checkpoint.dcp import iteration_dir, latest_iteration, list_iterations
 from moe_train.config import ConfigError, load_config
@@ -348,6 +350,19 @@ def test_the_one_ulp_nudge_moves_one_weight_by_one_ulp_and_the_curve_after_it(ca
     nudged = train_run(TINY, "bf16", 3, settings, prepare=nudge_one_weight).losses
     print(f"bf16 {base}, nudged {nudged}")
     assert nudged[0] == pytest.approx(base[0], abs=1e-3) and nudged != base
+
+
+def test_bf16_curves_compare_each_seed(cache_dir, capsys):
+    """benchmarks/bf16_loss_curves --seeds: one comparison per train.seed (other initialisations, so other
+    first losses), then each seed's max and mean together."""
+    settings = [f"--set=data.cache_dir={cache_dir}", "--set=data.demo_max_bytes=400000", "--set=train.threads=1"]
+    bf16_curves_main(["--config", TINY, "--steps", "2", "--seeds", "3", "4", *settings])
+    out = capsys.readouterr().out
+    print(out)
+    firsts = [float(m) for m in re.findall(r"step    1  fp32 ([0-9.]+)", out)]
+    assert "seed 3" in out and "seed 4" in out and len(firsts) == 2 and firsts[0] != firsts[1]
+    assert re.search(r"\|bf16 - fp32\| over seeds 3 4: max per seed [0-9.]+ [0-9.]+; mean per seed [0-9.]+ [0-9.]+",
+                     out)
 
 
 def test_bf16_moments_loss_curve_follows_fp32_moments(cache_dir):
