@@ -26,8 +26,7 @@ of its input it normalises (in fp32 that is the input itself):
   b (kd + 5kf + k): their gate/up input, its output, the SiLU, product and scaled product, and the
   slot weights (their outputs are summed by token without being kept: model.moe.SumByToken); shared
   expert 4 fs b (its gate and up outputs packed, the SiLU and the product); with bf16 parameters the
-  router's fp32 copy of its gate weight, 4 E d per
-  micro-batch (no other weight is copied);
+  router's fp32 copy of its gate weight, 4 E d per micro-batch (no other weight is copied);
 - layer output b d.
 With EP > 1 the dispatch adds its receive buffers and saved ids, which are not counted.
 
@@ -348,8 +347,8 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
     if bf16 and modules & {"layernorm", "mla_up_proj"}:
         saved["kv_a_output"] = -2 * (kl + a.qk_pos_emb_head_dim)
     if "moe_act" in modules and moe:
-        # the routed experts' SiLU, product and scaled product (the FP8 experts never keep them), and the
-        # shared expert's SiLU and product (the down projection's input, or its FP8 copy)
+        # the routed experts' SiLU, product and scaled product, and the shared expert's SiLU and product
+        # (the FP8 experts keep only their FP8 cache either way)
         routed = 0 if fp8 else 3 * b * a.moe_router_topk * a.moe_ffn_hidden_size
         saved["moe_act"] = routed + _shared_activation_saving(a, b, fp8)
     return saved
