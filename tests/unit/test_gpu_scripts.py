@@ -20,6 +20,8 @@ def test_the_training_benchmark_prints_its_figures(tmp_path):
     line = next(l for l in out.splitlines()
                 if l.startswith("bf16 training, tiny.yaml, recompute layernorm,mla_up_proj,moe_act:"))
     assert "tokens/s, MFU" in line and "host syncs per step" in line and "of the recorded GEMM FLOPs in bf16" in line
+    planned = float(line.split("(planned ")[1].split(")")[0])  # moe_train.plan's figure for the run on one GPU
+    assert 0 < planned < 1, line
     share = float(line.split("per step, ")[1].split("%")[0])
     assert share > 95.0, line
 
