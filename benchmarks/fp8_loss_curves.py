@@ -8,8 +8,8 @@ of the final training loss (the mean of the last 10 steps) and of the validation
 
 Ablations of the fp8 run, to see how much of the gap a part of the recipe makes: `--bf16-gemms` keeps
 one group of FP8_MODULE_GROUPS on bf16 GEMMs (it may be given more than once); `--bf16-swiglu-input`
-keeps the routed experts' SwiGLU input in bf16 and their SwiGLU output saved, as bf16 training does,
-instead of the FP8 cache and recompute of §3.3.3 (their GEMMs stay FP8).
+keeps the MoE's SwiGLU input (routed and shared experts) in bf16 and their SwiGLU output saved, as bf16
+training does, instead of the FP8 cache and recompute of §3.3.3 (their GEMMs stay FP8).
 
 On a CPU the FP8 GEMMs are emulated (exact, slower: model.fp8); each half of the 400-step demo takes
 the better part of an hour on 2 cores. `--runs-file` keeps each finished run in a JSON file, keyed by
@@ -31,6 +31,7 @@ from benchmarks.bf16_loss_curves import TrainingRun, train_run
 from benchmarks.training_options import training_parser
 from model.fp8 import Fp8Tensor
 from model.layers import GemmOps, GroupEnds
+from model.recompute import Recompute
 from moe_train.config import load_config
 from moe_train.train import Trainer
 
@@ -57,11 +58,15 @@ def use_bf16_gemms(model: nn.Module, pattern: str, gemms: dict[str, GemmOps] | N
 
 
 class Bf16SwigluInput(GemmOps):
-    """`fp8`'s GEMMs, with the SwiGLU input of `grouped_activated` kept as bf16 training keeps it
-    (GemmOps': the activation saved, or rebuilt under `moe_act`) instead of model.fp8's FP8 cache."""
+    """`fp8`'s GEMMs, with the SwiGLU input of `grouped_activated` and `linear_activated` kept as bf16
+    training keeps it (GemmOps': the activation saved, or rebuilt under `moe_act`) instead of
+    model.fp8's FP8 cache."""
 
     def __init__(self, fp8: GemmOps) -> None:
         self.fp8 = fp8
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, recompute: Recompute | None = None) -> torch.Tensor:
+        return self.fp8.linear(x, weight, recompute)
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, groups: GroupEnds,
                 x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
@@ -73,14 +78,14 @@ class Ablation:
     """What the fp8 run keeps as bf16 training has it (none of it: the recipe)."""
 
     bf16_groups: tuple[str, ...] = ()  # FP8_MODULE_GROUPS on bf16 GEMMs
-    bf16_swiglu_input: bool = False  # the routed experts' SwiGLU input not cached in FP8
+    bf16_swiglu_input: bool = False  # the MoE's SwiGLU input (routed and shared experts) not cached in FP8
 
     def apply(self, trainer: Trainer) -> None:
         if self.bf16_groups:
             use_bf16_gemms(trainer.model, "|".join(f"({FP8_MODULE_GROUPS[group]})" for group in self.bf16_groups))
         if self.bf16_swiglu_input:
             for name, module in trainer.model.named_modules():
-                if re.fullmatch(r".+\.mlp\.experts\.down_proj", name):
+                if re.fullmatch(r".+\.mlp\.(experts|shared_experts)\.down_proj", name):
                     module.gemms = Bf16SwigluInput(module.gemms)
 
 
@@ -115,14 +120,14 @@ def main() -> None:
     parser.add_argument("--bf16-gemms", action="append", default=[], choices=sorted(FP8_MODULE_GROUPS),
                         metavar="GROUP", help=f"keep these modules on bf16 GEMMs in the fp8 run: {', '.join(FP8_MODULE_GROUPS)}")
     parser.add_argument("--bf16-swiglu-input", action="store_true",
-                        help="keep the routed experts' SwiGLU input in bf16 in the fp8 run (no FP8 cache)")
+                        help="keep the MoE's SwiGLU input in bf16 in the fp8 run (no FP8 cache)")
     opts = parser.parse_args()
     ablation = Ablation(tuple(sorted(set(opts.bf16_gemms))), opts.bf16_swiglu_input)
     runs = {"bf16": kept_run(opts.runs_file, opts.config, "bf16", opts.steps, opts.overrides),
             "fp8": kept_run(opts.runs_file, opts.config, "fp8", opts.steps, opts.overrides, ablation)}
     seed = load_config(opts.config, opts.overrides).train.seed
     kept_bf16 = [f"{', '.join(ablation.bf16_groups)} on bf16 GEMMs"] if ablation.bf16_groups else []
-    kept_bf16 += ["the routed experts' SwiGLU input in bf16"] if ablation.bf16_swiglu_input else []
+    kept_bf16 += ["the MoE's SwiGLU input in bf16"] if ablation.bf16_swiglu_input else []
     print(f"config {opts.config}, {opts.steps} steps, seed {seed}"
           + (f"; the fp8 run keeps {' and '.join(kept_bf16)}" if kept_bf16 else ""))
     for step in sorted({0, *range(9, opts.steps, 10), opts.steps - 1}):

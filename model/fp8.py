@@ -527,10 +527,12 @@ class Fp8ActivatedFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, row_weights: torch.Tensor | None, weight: torch.Tensor,
                 groups: GroupEnds | None, activation: Callable[..., torch.Tensor], ops: Fp8GemmOps) -> torch.Tensor:
         weight_q = ops.quantized_weight(weight)
-        cache = quantize_1x128(x, ops.power_of_two_scales)
-        hidden = _activate(activation, x, row_weights)
+        rows = _flat_rows(x)
+        cache = quantize_1x128(rows, ops.power_of_two_scales)
+        hidden = _activate(activation, rows, row_weights)
         ctx.save_for_backward(cache.data, cache.scale, row_weights, weight_q.data, weight_q.scale)
         ctx.groups, ctx.activation, ctx.x_dtype, ctx.weight, ctx.sink = groups, activation, x.dtype, weight, ops.sink
+        ctx.x_shape = x.shape
         ctx.power_of_two_scale = ops.power_of_two_scales
         ctx.grad_power_of_two = ops.power_of_two_for(output_grads=True)
         y = _fp8_gemm(quantize_1x128(hidden, ops.power_of_two_for(inputs=True)), weight_q, groups,
@@ -563,8 +565,8 @@ class Fp8ActivatedFunction(torch.autograd.Function):
                     ctx.power_of_two_scale)
             grad_w = _weight_grad(ctx, compute)
         inputs = (x, row_weights) if row_weights is not None and row_weights.requires_grad else (x,)
-        grads = torch.autograd.grad(hidden, inputs, grad_hidden.reshape(hidden.shape))
-        return grads[0], grads[1] if len(grads) > 1 else None, grad_w, None, None, None
+        grads = torch.autograd.grad(hidden, inputs, grad_hidden)
+        return grads[0].reshape(ctx.x_shape), grads[1] if len(grads) > 1 else None, grad_w, None, None, None
 
 
 def _activate(activation: Callable[..., torch.Tensor], x: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:

@@ -149,8 +149,8 @@ class Recompute:
         return out
 
     def derived(self, fn: Callable[..., Any], *inputs: Any) -> Any:
-        """fn(*inputs), a deterministic function that saves nothing itself (it runs where grad is off,
-        as an FP8 GEMM's quantization of its input for the backward): when an input is a region's
+        """fn(*inputs), a deterministic function that saves nothing itself (an FP8 GEMM's quantization of
+        its input for the backward, where grad is off; the router's cast to fp32): when an input is a region's
         output, so that the region's replay rebuilds it, its outputs are rebuilt from that replay
         instead of kept; when it is the compact tensor an op keeps of its output
         (`compact_saved_output`), from that tensor. An FP8 Linear's copy of a recomputed norm's output
@@ -181,15 +181,19 @@ class Recompute:
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = op()
         small = compact(out)
-        ref = StorageWeakRef(small.untyped_storage())
-        self._compact[ref.cdata] = ref
-        storage = StorageWeakRef(out.untyped_storage()).cdata
+        out_key = StorageWeakRef(out.untyped_storage()).cdata
+        replaced = False
         for box in boxes:
             tensor = box.value
-            if StorageWeakRef(tensor.untyped_storage()).cdata == storage and tensor.shape == out.shape:
+            if (StorageWeakRef(tensor.untyped_storage()).cdata == out_key and tensor.shape == out.shape
+                    and tensor.stride() == out.stride() and tensor.storage_offset() == out.storage_offset()):
                 box.value = _Expanded(small, expand, tensor.size(), tensor.stride())
+                replaced = True
             else:
                 box.value = self._pack(tensor)
+        if replaced:  # what derives from `small` is then rebuilt from it (a backend that saves no output: kept)
+            ref = StorageWeakRef(small.untyped_storage())
+            self._compact[ref.cdata] = ref
         return small
 
     def _record(self, fn: Callable[..., Any], inputs: tuple[Any, ...], out: Any) -> None:

@@ -310,14 +310,18 @@ def recompute_savings(a: ModelArgs, moe: bool, bf16: bool, fp8: Fp8Gemms | None 
     net of the region inputs it keeps instead. layernorm: each norm keeps only its input, none of
     `_norm_bytes` and not its output; with bf16 parameters the q and kv latent norms keep their bf16
     inputs (the q_a and kv_a outputs) and the post-attention norm the bf16 residual instead of their
-    fp32 copies; mla_up_proj: q, k and v; moe_act: the SwiGLU's SiLU, product and scaled product (its
-    gate/up input stays). With bf16 parameters either of the first two keeps the kv_a output (its
-    latent and rope key, 2 (kl + r)); in fp32 the kv norm kept it already.
+    fp32 copies, and the router's fp32 copy of the norm's output (4d) is rebuilt too; mla_up_proj: q,
+    k and v, and the core's padded output, which it keeps as o_proj's input; moe_act: the routed
+    experts' SiLU, product and scaled product and the shared expert's SiLU and product (their gate/up
+    outputs stay). With bf16 parameters either of the first two keeps the kv_a output (its latent and
+    rope key, 2 (kl + r)); in fp32 the kv norm kept it already.
 
-    With FP8 GEMMs no norm's output is kept (its readers keep FP8 copies, which stay), so layernorm
-    saves only the norms' own bytes; mla_up_proj without layernorm keeps the two latents it rebuilds
-    q, k and v from (b (ql + kl)), which the FP8 up-projections did not keep; moe_act saves nothing:
-    the FP8 experts always keep only their SwiGLU's input, in FP8, and recompute the rest."""
+    With FP8 GEMMs the norms' readers keep FP8 copies of their outputs, which layernorm rebuilds from
+    the norms' replay as bf16 rebuilds the outputs; mla_up_proj keeps the core's output in bf16 and
+    rebuilds o_proj's FP8 copy of it, and without layernorm keeps the two latents it rebuilds q, k
+    and v from (b (ql + kl)), which the FP8 up-projections did not keep; moe_act saves nothing: the
+    FP8 experts, routed and shared, always keep only their SwiGLU's input, in FP8, and recompute the
+    rest."""
     modules, d, b = set(a.recompute_modules), a.hidden_size, _dtype_bytes(bf16)
     ql, kl, heads = a.q_lora_rank, a.kv_lora_rank, a.num_attention_heads
     def norm_output(width: int, readers: int) -> float:
@@ -426,9 +430,10 @@ def _ffn_backward(a: ModelArgs, moe: bool, tokens: int, bf16: bool, experts: int
     routed_grad = k * d * b * tokens
     routed = routed_grad + max(0, activations + experts * d * f * b + rebuilt,
                                -3 * activations + unfreed + experts * 2 * f * d * b) - freed + waiting
-    # layernorm: the shared expert's backward rebuilds the post-attention norm's output; in fp32 it
-    # stays until the router's backward reads it (4d), with bf16 parameters it goes (the router keeps
-    # an fp32 copy) but is not among the kept bytes `freed` counts (2d)
+    # layernorm: the shared expert's backward rebuilds the post-attention norm's output. In fp32 that
+    # output, the router's input, stays until the router's backward reads it (4d). With bf16 parameters
+    # `freed` took off the shared expert's input (2d), which the region rebuilt rather than kept: it is
+    # added back here (`waiting` holds the rebuilt output itself)
     rebuilt_norm = b * d * tokens if "layernorm" in modules and fs else 0
     return max(shared, routed) + rebuilt_norm
 

@@ -569,8 +569,9 @@ def test_activated_linear_recomputes_the_swiglu_from_its_fp8_cache(power_of_two)
     """The shared expert's down projection (one weight, no router weights) as the routed experts': the
     forward is the FP8 GEMM of the SwiGLU of x itself; the backward's gradients are those of the SwiGLU
     of x's 1x128 FP8 quantization followed by `Fp8LinearFunction`, bit for bit; and it keeps only the
-    E4M3 cache with its scales and the FP8 weight."""
+    E4M3 cache with its scales and the FP8 weight. The rows come as [2, M / 2, 192], as a Linear's input may."""
     x, _, weights, grad_y = activated_case(54 + power_of_two)
+    x, grad_y = x.view(2, -1, x.shape[-1]), grad_y.view(2, -1, grad_y.shape[-1])
 
     def layer() -> Linear:
         linear = Linear(96, 144)
@@ -584,16 +585,37 @@ def test_activated_linear_recomputes_the_swiglu_from_its_fp8_cache(power_of_two)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
                                                   lambda t: t):
         y = activated.forward_activated(packed_swiglu, x_itself)
-    assert saved == [(FP8_DTYPE, (x.shape[0], 192)), (torch.float32, (x.shape[0], 2)),
-                     (FP8_DTYPE, (144, 96)), (torch.float32, (2, 1))]
+    rows = x.shape[0] * x.shape[1]
+    assert saved == [(FP8_DTYPE, (rows, 192)), (torch.float32, (rows, 2)), (FP8_DTYPE, (144, 96)),
+                     (torch.float32, (2, 1))]
     y.backward(grad_y)
     assert torch.equal(y.detach(), reference(packed_swiglu(x)).detach())
-    x_cached = Reference(x, 1, power_of_two).values.float().requires_grad_()
+    x_cached = Reference(x.reshape(rows, -1), 1, power_of_two).values.float().view(x.shape).requires_grad_()
     reference(packed_swiglu(x_cached)).backward(grad_y)
     assert torch.equal(x_itself.grad, x_cached.grad) and torch.equal(activated.weight.grad, reference.weight.grad)
     x_plain = x.clone().requires_grad_()  # the cache's rounding reaches the gradients
     layer()(packed_swiglu(x_plain)).backward(grad_y)
     assert not torch.equal(x_itself.grad, x_plain.grad)
+
+
+def test_the_swiglu_input_ablation_keeps_the_activation_and_the_fp8_gemm():
+    """benchmarks/fp8_loss_curves --bf16-swiglu-input on the shared expert's down projection: the SwiGLU's
+    input kept in high precision (no FP8 cache) and its output saved as bf16 training does, the GEMM still
+    FP8 (an FP8 weight and the 128x1 copy of its input saved)."""
+    from benchmarks.fp8_loss_curves import Bf16SwigluInput
+
+    x, _, weights, _ = activated_case(56)
+    linear = Linear(96, 144)
+    linear.gemms = Bf16SwigluInput(Fp8GemmOps())
+    linear.weight.data = weights[0].clone()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                  lambda t: t):
+        linear.forward_activated(packed_swiglu, x.requires_grad_())
+    rows = x.shape[0]
+    assert saved.count((torch.float32, (rows, 96))) == 3  # the SiLU's input, its output and up (views of x)
+    assert (FP8_DTYPE, (144, 96)) in saved and (FP8_DTYPE, (96, rows)) in saved  # FP8 weight, 128x1 input
+    assert (FP8_DTYPE, tuple(x.shape)) not in saved  # no FP8 cache of the SwiGLU's input
 
 
 # ---- the FP8 dispatch's rows as the gate/up GEMM's quantized input ----

@@ -263,6 +263,36 @@ def test_recompute_with_fp8_gemms_is_bit_identical(modules, monkeypatch):
     assert kept_stored - kept == copies
 
 
+@pytest.mark.parametrize("saves_output", [True, False], ids=["exp", "scale"])
+def test_compact_saved_output_keeps_the_compact_tensor_in_place_of_the_output(saves_output):
+    """Recompute.compact_saved_output (the attention core's output without v's padding): where the op saves
+    its output (exp), its backward keeps the compact tensor the caller keeps anyway and rebuilds the
+    output from it, so the padded output is freed and the gradient is bit for bit the same; where it
+    saves none (a scale), nothing is replaced and nothing may be rebuilt from the compact tensor."""
+    seed = 21
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    x, grad = torch.randn(64, 32, generator=gen).requires_grad_(), torch.randn(64, 32, generator=gen)
+
+    def op() -> torch.Tensor:  # [64, 64], the second half exactly zero, as the core's v padding
+        padded = F.pad(x, (0, 32), value=float("-inf") if saves_output else 0.0)
+        return torch.exp(padded) if saves_output else padded * 2.0
+
+    def run(modules: list[str]) -> tuple[int, torch.Tensor, bool]:
+        recompute, x.grad = Recompute(modules), None
+        with LiveStorage() as memory, recompute.active():
+            y = recompute.compact_saved_output("mla_up_proj", op, lambda out: out[:, :32].clone(),
+                                               lambda small: F.pad(small, (0, 32)))
+            kept, compact = memory.live(), recompute._is_compact(y)
+        y.backward(grad)
+        return kept, x.grad.clone(), compact
+
+    kept, expected, _ = run([])
+    kept_compact, gradient, compact = run(["mla_up_proj"])
+    assert torch.equal(gradient, expected) and compact == saves_output
+    assert kept - kept_compact == (64 * 64 * 4 if saves_output else 0)  # the padded output, when saved
+
+
 def _rebuilt_copies(args, tokens: int) -> int:
     """Bytes of the copies that `layernorm` (with `args.recompute_modules`) rebuilds instead of keeping:
     the 128x1 E4M3 copies (and their fp32 scales) that a layer's Linears keep of its norms' outputs
