@@ -70,11 +70,12 @@ class MLA(nn.Module):
         batch, _, seq, _ = out.shape
         return out[..., :self.v_dim].transpose(1, 2).reshape(batch, seq, self.num_heads * self.v_dim)
 
-    def _padded_heads(self, heads_last: torch.Tensor) -> torch.Tensor:
-        """`_heads_last`'s inverse: the core's output, v's padding channels zero."""
+    def _padded_heads(self, heads_last: torch.Tensor, out: torch.Tensor) -> None:
+        """`_heads_last`'s inverse, written into `out` [B, H, T, qk] (whatever its strides): the core's
+        output, v's padding channels zero."""
         batch, seq, _ = heads_last.shape
-        out = heads_last.view(batch, seq, self.num_heads, self.v_dim).transpose(1, 2)
-        return F.pad(out, (0, self.nope_dim + self.rope_dim - self.v_dim))
+        out[..., :self.v_dim].copy_(heads_last.view(batch, seq, self.num_heads, self.v_dim).transpose(1, 2))
+        out[..., self.v_dim:].zero_()
 
     def _queries(self, q_input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q_nope [B, H, T, d_nope] and the rotated q_pe [B, H, T, d_rope] from the q latent (or x)."""

@@ -86,18 +86,17 @@ class _SavedView:
 @dataclass(frozen=True)
 class _Expanded:
     """What an op saved in place of its output, kept as a compact tensor its readers keep anyway: the
-    output is `expand(compact)`, laid out as the op's output was."""
+    output is rebuilt into a tensor laid out as the op's output was, by `expand(compact, into)`."""
 
     compact: torch.Tensor
-    expand: Callable[[torch.Tensor], torch.Tensor]
+    expand: Callable[[torch.Tensor, torch.Tensor], None]
     size: torch.Size
     stride: tuple[int, ...]
 
     def output(self) -> torch.Tensor:
-        full = self.expand(self.compact)
-        if full.stride() == self.stride:
-            return full
-        return torch.empty_strided(self.size, self.stride, dtype=full.dtype, device=full.device).copy_(full)
+        out = torch.empty_strided(self.size, self.stride, dtype=self.compact.dtype, device=self.compact.device)
+        self.expand(self.compact, out)
+        return out
 
 
 class _Box:
@@ -164,9 +163,10 @@ class Recompute:
 
     def compact_saved_output(self, module: str, op: Callable[[], torch.Tensor],
                              compact: Callable[[torch.Tensor], torch.Tensor],
-                             expand: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """compact(op()), where `compact` makes a new, smaller tensor of op's output from which `expand`
-        rebuilds the output bit for bit (the attention core's output without v's zero padding). Where
+                             expand: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """compact(op()), where `compact` makes a new, smaller tensor of op's output from which
+        `expand(compact, into)` writes the output bit for bit into a tensor of the output's size and
+        strides (the attention core's output without v's zero padding). Where
         `module` is recomputed, what op saves of its output for its backward is the compact tensor,
         which its readers keep anyway (o_proj's input), instead of the output itself; the rest op saves
         is packed as the layer's other saved tensors are."""
