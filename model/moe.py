@@ -4,13 +4,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
 from model.dispatcher import Dispatcher, LocalDispatcher, PackedExchange, count_per_expert
 from model.fp8 import Fp8Tensor
-from model.layers import GroupEnds, GroupedLinear, SwiGLU
+from model.layers import GroupEnds, GroupedLinear, SwiGLU, packed_swiglu
 from model.recompute import Recompute
 from model.router import Router, sequence_balance_loss
 
@@ -86,11 +85,11 @@ class RoutedExperts(nn.Module):
         out = self.down_proj.forward_activated(self._activation, gate_up, slot_weights, groups, self.recompute)
         return SumByToken.apply(out, token_sorted, x.shape[0]).to(x.dtype)
 
-    def _activation(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _activation(gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """SwiGLU of the packed gate|up rows, scaled by each slot's router weight (the narrower expert
         intermediate is scaled: down_proj is linear)."""
-        gate, up = gate_up.split(self.hidden, dim=-1)
-        return F.silu(gate) * up * weights
+        return packed_swiglu(gate_up) * weights
 
     def forward_packed(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The masked grouped GEMM of DeepEP's low-latency layout: x [E_local, N, d] of which only the
@@ -98,8 +97,7 @@ class RoutedExperts(nn.Module):
         low-latency combine applies the router weights); only those rows are computed, the rest are 0."""
         valid = torch.arange(x.shape[1], device=x.device) < count.long().unsqueeze(1)  # [E_local, N]
         groups = GroupEnds.of_counts(count)
-        gate, up = self.gate_up_proj(x[valid], groups).split(self.hidden, dim=-1)
-        out = self.down_proj(F.silu(gate) * up, groups)
+        out = self.down_proj(packed_swiglu(self.gate_up_proj(x[valid], groups)), groups)
         return out.new_zeros(*valid.shape, out.shape[-1]).index_put_((valid,), out)
 
 
